@@ -1,0 +1,108 @@
+"""ZeroConfig: every knob of the sharded optimizer, its default and its validation.
+
+The optimizer, the Trainer flags and the Ray job all read this one class.
+
+Example::
+
+    >>> cfg = ZeroConfig(stage=1, reduce_bucket_mb=50, clip_grad_norm=1.0)
+    >>> cfg.with_overrides(overlap_communication=False).overlap_communication
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPE_NAMES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (fp32, fp16, bf16 only)."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPE_NAMES.values():
+            return value
+    elif isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower().removeprefix("torch.")]
+    raise ValueError(
+        f"ZeroConfig.{field_name}={value!r} is not a supported dtype; "
+        f"use one of {sorted(set(_DTYPE_NAMES))} or the matching torch.dtype"
+    )
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """Configuration of :class:`hf_lowzero.LowLevelZeroOptimizer` (see DESIGN.md section 3)."""
+
+    stage: int = 2
+    """1: shard optimizer state (gradients all-reduced, kept whole until ``step``).
+    2: also shard gradients (reduce-scattered; each rank keeps only its fp32 rows)."""
+
+    reduce_bucket_mb: float = 25.0
+    """MiB of gradient (in the communication dtype, padding included) per reduction bucket.
+    Small buckets start communicating earlier; big ones make fewer, larger collectives."""
+
+    overlap_communication: bool = True
+    """Launch a bucket's reduction asynchronously during backward as soon as it is complete
+    (in plan order). False reduces every bucket after backward, one at a time."""
+
+    clip_grad_norm: float = 0.0
+    """Clip the global L2 norm of the averaged gradients to this value; 0 disables clipping.
+    The norm is computed (and exposed as ``last_grad_norm``) either way."""
+
+    communication_dtype: torch.dtype | str | None = None
+    """dtype of gradient reductions; None uses each parameter's own dtype (as DDP does).
+    ``"fp32"`` reduces low-precision gradients in fp32 at twice the traffic."""
+
+    process_group: Any = None
+    """Data-parallel ``torch.distributed`` process group; None means the default (WORLD) group."""
+
+    allow_untested_optimizer: bool = False
+    """Accept an inner optimizer class that is not on the element-wise allow-list. Only set this
+    for optimizers whose update of an element depends on that element alone (not LAMB,
+    Adafactor, Shampoo, Muon): the shard a rank owns is an arbitrary slice of each tensor."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(f"ZeroConfig.stage={self.stage!r} is invalid; expected 1 or 2 (use no ZeRO for stage 0)")
+        bucket = self.reduce_bucket_mb
+        if (
+            isinstance(bucket, bool)
+            or not isinstance(bucket, (int, float))
+            or not (bucket > 0 and math.isfinite(bucket))
+        ):
+            raise ValueError(
+                f"ZeroConfig.reduce_bucket_mb={bucket!r} is invalid; expected a positive number of MiB (default 25)"
+            )
+        clip = self.clip_grad_norm
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (clip >= 0 and math.isfinite(clip)):
+            raise ValueError(f"ZeroConfig.clip_grad_norm={clip!r} is invalid; expected a finite number >= 0 (0 = off)")
+        for name in ("overlap_communication", "allow_untested_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected True or False")
+        if self.communication_dtype is not None:
+            self.communication_dtype = parse_dtype(self.communication_dtype, "communication_dtype")
+
+    @property
+    def reduce_bucket_bytes(self) -> int:
+        return max(1, int(self.reduce_bucket_mb * 2**20))
+
+    def with_overrides(self, **overrides: Any) -> ZeroConfig:
+        """A validated copy with some fields replaced; unknown names raise ``TypeError``."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown ZeroConfig field(s) {unknown}; valid fields are {sorted(known)}")
+        return dataclasses.replace(self, **overrides)

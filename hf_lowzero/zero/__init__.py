@@ -1,0 +1,6 @@
+"""The sharded optimizer layer: plain PyTorch + torch.distributed, no transformers or Ray."""
+
+from hf_lowzero.zero.memory import MemoryReport
+from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+__all__ = ["LowLevelZeroOptimizer", "MemoryReport"]

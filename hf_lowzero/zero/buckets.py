@@ -1,0 +1,168 @@
+"""The static bucket plan, flat rank-major bucket layout, and plan-order launching.
+
+A bucket is a fixed group of parameters whose gradients travel in one collective. Its flat buffer
+is ``[W, row_numel]`` row-major: row ``r`` holds rank ``r``'s shard of every parameter in the
+bucket, back to back (``[g0_r0, g1_r0, ..., g0_r1, g1_r1, ...]``), so one reduce-scatter hands
+every rank exactly its rows and one all-reduce serves the whole bucket.
+
+The rows a rank owns are laid out bucket after bucket in one flat "owned rows" space
+(``Bucket.row_offset``); the optimizer's fp32 master rows and the stage-2 gradient rows use it.
+
+# [Note: bucket order]
+# Buckets are planned once, identically on every rank, and launched strictly in plan order:
+# bucket k starts only after buckets 0..k-1 started. Ranks may finish parameters in different
+# orders (layer drop, branches, MoE), but every rank issues the same collectives in the same
+# sequence, so they always match and never hang. At the end of backward, every bucket that has
+# not started is launched (in order) with zeros standing in for gradients this rank did not make.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from hf_lowzero.zero.partition import ParamShard
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One managed parameter: where its shard sits in its bucket and in the owned-rows space."""
+
+    index: int  # position in the optimizer's list of managed params
+    name: str
+    param: torch.nn.Parameter
+    shard: ParamShard
+    bucket_index: int = -1
+    bucket_offset: int = -1  # start of this param's shard inside a bucket row
+    row_offset: int = -1  # start of this param's shard in the owned-rows space
+
+    def rows(self, flat_bucket: torch.Tensor, row_numel: int) -> torch.Tensor:
+        """This param's ``[W, shard_numel]`` strided view of a flat rank-major bucket buffer."""
+        return flat_bucket.view(self.shard.world_size, row_numel)[
+            :, self.bucket_offset : self.bucket_offset + self.shard.shard_numel
+        ]
+
+
+class BucketState(Enum):
+    WAITING = auto()  # collecting this backward's gradients
+    REDUCING = auto()  # collective launched, not yet waited
+    REDUCED = auto()  # result in place (stage 1: bucket buffer; stage 2: gradient rows)
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    dtype: torch.dtype  # of the params (all params of a bucket share dtype and device)
+    device: torch.device
+    slots: list[ParamSlot] = field(default_factory=list)
+    row_numel: int = 0
+    row_offset: int = 0
+    state: BucketState = BucketState.WAITING
+    ready: set[int] = field(default_factory=set)  # slot indices whose grad is final this backward
+    has_grads: bool = False  # holds reduced gradients since the last step (accumulation)
+    work: object = None  # async handle while REDUCING
+    scratch: tuple = ()  # tensors a collective in flight writes to or reads from
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.ready) == len(self.slots)
+
+    def transition(self, old: BucketState, new: BucketState) -> None:
+        assert self.state is old, f"bucket {self.index}: expected state {old}, found {self.state}"
+        self.state = new
+
+
+def plan_buckets(slots: list[ParamSlot], bucket_bytes: int, comm_dtype: torch.dtype | None) -> list[Bucket]:
+    """Assign params to buckets in reverse registration order (which approximates backward order).
+
+    A bucket closes when the next param would push it past ``bucket_bytes`` (padded, in the
+    communication dtype) or has another dtype/device; a param bigger than a bucket gets its own.
+    Fills in every slot's ``bucket_index``, ``bucket_offset`` and ``row_offset``.
+    """
+    buckets: list[Bucket] = []
+    row_offset = 0
+    for slot in reversed(slots):
+        p = slot.param
+        itemsize = (comm_dtype or p.dtype).itemsize
+        nbytes = slot.shard.padded_numel * itemsize
+        last = buckets[-1] if buckets else None
+        if (
+            last is None
+            or last.dtype != p.dtype
+            or last.device != p.device
+            or (last.row_numel * slot.shard.world_size * itemsize + nbytes > bucket_bytes)
+        ):
+            last = Bucket(index=len(buckets), dtype=p.dtype, device=p.device, row_offset=row_offset)
+            buckets.append(last)
+        slot.bucket_index = last.index
+        slot.bucket_offset = last.row_numel
+        slot.row_offset = row_offset
+        last.slots.append(slot)
+        last.row_numel += slot.shard.shard_numel
+        row_offset += slot.shard.shard_numel
+    return buckets
+
+
+class PlanOrderLauncher:
+    """Launches buckets strictly in plan order (see [Note: bucket order]) with bounded in-flight work.
+
+    ``launch(bucket)`` starts a bucket's collective and ``finish(bucket)`` waits for it and
+    consumes the result; both come from the stage policy. At most ``max_in_flight`` buckets are
+    REDUCING at once, which bounds the memory of transient bucket buffers.
+    """
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        launch: Callable[[Bucket], None],
+        finish: Callable[[Bucket], None],
+        max_in_flight: int = 2,
+    ) -> None:
+        self.buckets = buckets
+        self._launch = launch
+        self._finish = finish
+        self.max_in_flight = max_in_flight
+        self.next_bucket = 0  # plan position of the next bucket to launch in this backward
+        self.in_flight: deque[Bucket] = deque()
+
+    def mark_ready(self, slot: ParamSlot) -> None:
+        self.buckets[slot.bucket_index].ready.add(slot.index)
+
+    def launch_ready(self) -> None:
+        """Launch, in plan order, every leading bucket whose params are all ready."""
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].is_complete:
+            self._launch_next()
+
+    def launch_all(self, overlap: bool) -> None:
+        """End of backward: launch every remaining bucket in plan order, then wait for all."""
+        while self.next_bucket < len(self.buckets):
+            self._launch_next()
+            if not overlap:
+                self.wait_all()
+        self.wait_all()
+        self.next_bucket = 0
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.transition(BucketState.REDUCED, BucketState.WAITING)
+
+    def wait_all(self) -> None:
+        while self.in_flight:
+            self._finish_oldest()
+
+    def _launch_next(self) -> None:
+        bucket = self.buckets[self.next_bucket]
+        while len(self.in_flight) >= self.max_in_flight:
+            self._finish_oldest()
+        bucket.transition(BucketState.WAITING, BucketState.REDUCING)
+        self._launch(bucket)
+        self.in_flight.append(bucket)
+        self.next_bucket += 1
+
+    def _finish_oldest(self) -> None:
+        bucket = self.in_flight.popleft()
+        self._finish(bucket)
+        bucket.transition(BucketState.REDUCING, BucketState.REDUCED)

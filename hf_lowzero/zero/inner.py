@@ -1,0 +1,52 @@
+"""Which inner optimizers are correct on shards.
+
+A rank owns an arbitrary slice of every parameter, so the inner optimizer must update each element
+from that element's gradient and state alone. Optimizers that look at a whole tensor (factored
+second moments, trust ratios, orthogonalization, line search) would silently compute something
+else on a slice; they are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+    if hasattr(torch.optim, name)
+)
+WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
+
+
+def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
+    """Raise a clear error unless ``optimizer`` is a fresh, element-wise ``torch.optim.Optimizer``.
+
+    Example::
+
+        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), False)
+    """
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+    cls = type(optimizer)
+    if isinstance(optimizer, LowLevelZeroOptimizer):
+        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
+    whole = next((base.__name__ for base in cls.__mro__ if base.__name__ in WHOLE_TENSOR_OPTIMIZERS), None)
+    if whole is not None:
+        raise ValueError(
+            f"{cls.__name__} updates each parameter from the whole tensor ({whole}-style), which is "
+            "wrong on the row shards ZeRO gives each rank. Use an element-wise optimizer "
+            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+        )
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not allow_untested:
+        raise ValueError(
+            f"{cls.__name__} is not a known element-wise optimizer "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If its update of each "
+            "element depends on that element alone, pass allow_untested_optimizer=True."
+        )
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(
+            f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "
+            "and load state through LowLevelZeroOptimizer's checkpoint API instead."
+        )

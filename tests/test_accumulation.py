@@ -1,0 +1,114 @@
+"""Stage-aware gradient accumulation, against DDP on the same micro-batches.
+
+Stage 1 accumulates under no_sync() and communicates once per step; stage 2 reduce-scatters every
+micro-batch into fp32 rows. A param used in an earlier micro-batch but not in the last one must
+still be reduced: the reference is DDP synchronizing every micro-batch (its reducer reads p.grad,
+so an earlier micro-batch's average is carried through), which is exact for that case.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch.nn.functional import mse_loss
+
+from hf_lowzero import LowLevelZeroOptimizer
+from hf_lowzero.zero.comm import comm_stats
+from tests.distributed import run_distributed
+from tests.models import BranchyNet, assert_params_equal, batch, ddp_reference, make_inner
+
+MICRO = 3
+
+
+def usage(rank: int, step: int, micro: int) -> tuple[bool, bool]:
+    """branch_b is used only in the first micro-batch, on every rank; branch_a in the last one
+    on rank 0 only, and in the middle one on the other ranks."""
+    use_a = (micro == MICRO - 1) if rank == 0 else (micro == 1)
+    return use_a, micro == 0
+
+
+def accumulate_body(rank: int, world_size: int, stage: int, ref_no_sync: bool) -> None:
+    model = BranchyNet()
+    ref = ddp_reference(model)
+    ref_opt = make_inner("adamw", ref.module)
+    opt = LowLevelZeroOptimizer(
+        model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001, clip_grad_norm=0.5
+    )
+    n_buckets = len(opt.buckets)
+    for step in range(3):
+        comm_stats.reset()
+        for micro in range(MICRO):
+            x, y = batch(rank, step, micro)
+            use_a, use_b = usage(rank, step, micro) if not ref_no_sync else (True, rank % 2 == 0)
+            last = micro == MICRO - 1
+            local = opt.no_sync() if (stage == 1 and not last) else contextlib.nullcontext()
+            with local:
+                opt.backward(mse_loss(model(x, use_a, use_b), y) / MICRO)
+            if stage == 1 and not last:
+                assert comm_stats.calls["all_reduce"] == 0, "stage 1 must not communicate under no_sync"
+            ref_local = ref.no_sync() if (ref_no_sync and not last) else contextlib.nullcontext()
+            with ref_local:
+                (mse_loss(ref(x, use_a, use_b), y) / MICRO).backward()
+        if stage == 1:
+            assert comm_stats.calls["all_reduce"] == n_buckets  # once per bucket per step
+        else:
+            assert comm_stats.calls["reduce_scatter"] == MICRO * n_buckets  # every micro-batch
+        opt.step()
+        opt.zero_grad()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
+        assert_params_equal(model, ref.module, f"stage {stage} step {step}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("pattern", ["all_used", "used_in_earlier_micro_batch_only"])
+def test_accumulation_matches_ddp(world_size, stage, pattern):
+    run_distributed(accumulate_body, world_size, stage=stage, ref_no_sync=pattern == "all_used")
+
+
+def synced_micro_batches_body(rank: int, world_size: int) -> None:
+    """Stage 1 without no_sync(): each micro-batch all-reduces and adds to the held average."""
+    model = BranchyNet()
+    ref = ddp_reference(model)
+    ref_opt = make_inner("sgd", ref.module)
+    opt = LowLevelZeroOptimizer(model, make_inner("sgd", model), stage=1)
+    for step in range(2):
+        for micro in range(MICRO):
+            x, y = batch(rank, step, micro)
+            use_a, use_b = usage(rank, step, micro)
+            opt.backward(mse_loss(model(x, use_a, use_b), y))
+            mse_loss(ref(x, use_a, use_b), y).backward()
+        opt.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_equal(model, ref.module, f"step {step}")
+
+
+def idle_rank_body(rank: int, world_size: int, stage: int) -> None:
+    """A rank whose loss touches no parameter still joins every collective (opt.backward flushes)."""
+    model = BranchyNet()
+    ref = ddp_reference(model)
+    ref_opt = make_inner("sgd", ref.module)
+    opt = LowLevelZeroOptimizer(model, make_inner("sgd", model), stage=stage, reduce_bucket_mb=0.001)
+    x, y = batch(rank, 0)
+    if rank == 1:
+        opt.backward(torch.zeros(1, requires_grad=True).sum())  # no parameter gets a gradient here
+        (mse_loss(ref(x), y) * 0).backward()  # DDP: zeros from this rank
+    else:
+        opt.backward(mse_loss(model(x), y))
+        mse_loss(ref(x), y).backward()
+    opt.step()
+    ref_opt.step()
+    assert_params_equal(model, ref.module, "idle rank")
+
+
+def test_stage1_synced_micro_batches_match_ddp():
+    run_distributed(synced_micro_batches_body, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_rank_with_no_gradients_does_not_hang(stage):
+    run_distributed(idle_rank_body, 2, stage=stage)

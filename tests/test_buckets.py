@@ -1,0 +1,97 @@
+"""The static bucket plan, the rank-major layout and plan-order launching (pure, single process)."""
+
+import torch
+from torch import nn
+
+from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
+from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.stages import pack_bucket
+
+
+def make_slots(shapes, world_size, dtypes=None):
+    params = [nn.Parameter(torch.randn(*s, dtype=(dtypes or {}).get(i, torch.float32))) for i, s in enumerate(shapes)]
+    return [ParamSlot(i, f"p{i}", p, ParamShard(p.numel(), world_size)) for i, p in enumerate(params)]
+
+
+def test_plan_is_reverse_registration_order_and_respects_size():
+    slots = make_slots([(10,), (7, 3), (100,), (5,), (6,)], world_size=3)
+    buckets = plan_buckets(slots, bucket_bytes=4 * 30, comm_dtype=None)
+    order = [s.index for b in buckets for s in b.slots]
+    assert order == [4, 3, 2, 1, 0]
+    for b in buckets:
+        nbytes = 4 * 3 * b.row_numel
+        assert nbytes <= 4 * 30 or len(b.slots) == 1  # only a single oversized param exceeds a bucket
+    assert [s.index for s in buckets[1].slots] == [2]  # 100 elements: a bucket of its own
+    # Owned rows are laid out bucket after bucket, param after param, with no gaps.
+    offsets = [s.row_offset for b in buckets for s in b.slots]
+    sizes = [s.shard.shard_numel for b in buckets for s in b.slots]
+    assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert [b.row_offset for b in buckets] == [b.slots[0].row_offset for b in buckets]
+
+
+def test_plan_splits_buckets_by_dtype_and_counts_comm_dtype_bytes():
+    slots = make_slots([(8,), (8,), (8,)], world_size=2, dtypes={1: torch.bfloat16})
+    assert len(plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)) == 3
+    same = make_slots([(8,), (8,)], world_size=2)
+    assert len(plan_buckets(same, bucket_bytes=64, comm_dtype=None)) == 1  # 2 * 8 * 4 bytes
+    assert len(plan_buckets(make_slots([(8,), (8,)], 2), bucket_bytes=64, comm_dtype=torch.float64)) == 2
+
+
+def test_pack_is_rank_major_padded_and_frees_grads():
+    world_size = 3
+    slots = make_slots([(17, 5), (4,), (2, 2)], world_size)
+    for s in slots:
+        s.param.grad = torch.randn_like(s.param)
+    grads = [s.param.grad.clone() for s in slots]
+    (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
+    flat = torch.full((world_size * bucket.row_numel,), float("nan"))
+    pack_bucket(bucket, flat, world_size, accumulate=False)
+
+    rows = flat.view(world_size, bucket.row_numel)
+    for rank in range(world_size):
+        expected = torch.cat(
+            [
+                nn.functional.pad(grads[s.index].flatten(), (0, s.shard.padding)).view(world_size, -1)[rank]
+                for s in bucket.slots
+            ]
+        )
+        torch.testing.assert_close(rows[rank], expected / world_size)
+    assert all(s.param.grad is None for s in slots)
+
+
+def test_launcher_launches_in_plan_order_whatever_the_ready_order():
+    slots = make_slots([(4,)] * 6, world_size=1)
+    buckets = plan_buckets(slots, bucket_bytes=4 * 8, comm_dtype=None)  # two params per bucket
+    assert len(buckets) == 3
+    events = []
+    launcher = PlanOrderLauncher(
+        buckets,
+        launch=lambda b: events.append(("launch", b.index)),
+        finish=lambda b: events.append(("finish", b.index)),
+        max_in_flight=2,
+    )
+    # The last bucket in the plan becomes complete first: nothing may launch yet.
+    for slot in buckets[2].slots:
+        launcher.mark_ready(slot)
+    launcher.launch_ready()
+    assert events == []
+    for slot in buckets[0].slots:
+        launcher.mark_ready(slot)
+    launcher.launch_ready()
+    assert events == [("launch", 0)]
+    launcher.launch_all(overlap=True)  # bucket 1 never became ready: launched at the end, in order
+    assert [e for e in events if e[0] == "launch"] == [("launch", 0), ("launch", 1), ("launch", 2)]
+    assert events.index(("finish", 0)) < events.index(("launch", 2))  # at most two in flight
+    assert sorted(e for e in events if e[0] == "finish") == [("finish", i) for i in range(3)]
+    assert all(b.state is BucketState.WAITING and not b.ready for b in buckets)
+
+
+def test_launcher_without_overlap_waits_for_each_bucket():
+    slots = make_slots([(4,)] * 3, world_size=1)
+    buckets = plan_buckets(slots, bucket_bytes=16, comm_dtype=None)
+    events = []
+    launcher = PlanOrderLauncher(
+        buckets, lambda b: events.append(("launch", b.index)), lambda b: events.append(("finish", b.index))
+    )
+    launcher.launch_all(overlap=False)
+    assert events == [("launch", 0), ("finish", 0), ("launch", 1), ("finish", 1), ("launch", 2), ("finish", 2)]
