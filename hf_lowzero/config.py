@@ -74,6 +74,30 @@ class ZeroConfig:
     for optimizers whose update of an element depends on that element alone (not LAMB,
     Adafactor, Shampoo, Muon): the shard a rank owns is an arbitrary slice of each tensor."""
 
+    initial_scale: float = 2.0**16
+    """fp16 only: starting loss scale (bf16 and fp32 params are never scaled)."""
+
+    growth_factor: float = 2.0
+    """fp16 only: the scale is multiplied by this after ``growth_interval`` clean steps."""
+
+    backoff_factor: float = 0.5
+    """fp16 only: the scale is multiplied by this on an overflow once hysteresis is used up."""
+
+    growth_interval: int = 1000
+    """fp16 only: consecutive clean steps before the scale grows."""
+
+    hysteresis: int = 2
+    """fp16 only: overflows tolerated before the first backoff (restored when the scale grows)."""
+
+    min_scale: float = 1.0
+    """fp16 only: the scale never drops below this; an overflow at this scale is an error."""
+
+    max_scale: float = 2.0**24
+    """fp16 only: the scale never grows above this."""
+
+    max_consecutive_skips: int = 100
+    """Raise instead of skipping more than this many steps in a row (non-finite gradients)."""
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
             raise ValueError(f"ZeroConfig.stage={self.stage!r} is invalid; expected 1 or 2 (use no ZeRO for stage 0)")
@@ -92,8 +116,32 @@ class ZeroConfig:
         for name in ("overlap_communication", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected True or False")
+        self._check_loss_scaling()
         if self.communication_dtype is not None:
             self.communication_dtype = parse_dtype(self.communication_dtype, "communication_dtype")
+
+    def _check_loss_scaling(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected {expected}")
+
+        for name in ("growth_interval", "hysteresis", "max_consecutive_skips"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "an integer >= 1")
+        for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value > 0 and math.isfinite(value))
+            ):
+                raise bad(name, "a finite number > 0")
+        if self.growth_factor <= 1:
+            raise bad("growth_factor", "a number > 1")
+        if self.backoff_factor >= 1:
+            raise bad("backoff_factor", "a number in (0, 1)")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise bad("initial_scale", f"min_scale ({self.min_scale}) <= initial_scale <= max_scale ({self.max_scale})")
 
     @property
     def reduce_bucket_bytes(self) -> int:

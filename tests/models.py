@@ -30,7 +30,7 @@ class BranchyNet(nn.Module):
 
     def forward(self, x: torch.Tensor, use_a: bool = True, use_b: bool = True) -> torch.Tensor:
         h = self.frozen(torch.tanh(self.embed(x)))
-        out = torch.zeros(h.shape[0], 13)
+        out = h.new_zeros(h.shape[0], 13)
         if use_a:
             out = out + self.branch_a(h)
         if use_b:
@@ -73,3 +73,43 @@ def assert_params_equal(zero_model: nn.Module, ref_model: nn.Module, where: str,
     amplifies rounding where |g| ~ eps). A real bug (a missed average, mask or clip) is ~lr = 1e-2."""
     for (name, p), (_, q) in zip(zero_model.named_parameters(), ref_model.named_parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{where}: param {name}: {m}")
+
+
+class MasterWeightReference:
+    """The unsharded math ZeRO must reproduce for low-precision params: DDP on the 16-bit model,
+    an fp32 master copy of every param updated by the same inner optimizer, the same loss scale,
+    unscale + clip on the full averaged gradients, skip on non-finite, then cast back."""
+
+    def __init__(self, model: nn.Module, inner: str, clip: float = 0.0) -> None:
+        self.ddp = ddp_reference(model)
+        self.master_model = copy.deepcopy(model).float()
+        self.opt = make_inner(inner, self.master_model)
+        self.clip = clip
+
+    def _pairs(self):
+        return [(p, m) for p, m in zip(self.ddp.module.parameters(), self.master_model.parameters()) if m.requires_grad]
+
+    def collect(self) -> None:
+        """Move the (synced) 16-bit gradients into fp32 master gradients, adding to what is there.
+        Called after every micro-batch this mirrors stage 2 (fp32 accumulation of reduced grads);
+        called once per step after no_sync micro-batches it mirrors stage 1."""
+        for p, m in self._pairs():
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                p.grad = None
+
+    def step(self, scale: float) -> bool:
+        self.collect()
+        masters = [m for _, m in self._pairs()]
+        for m in masters:
+            if m.grad is not None:
+                m.grad /= scale
+        norm = torch.nn.utils.clip_grad_norm_(masters, self.clip or float("inf"))
+        applied = bool(torch.isfinite(norm))
+        if applied:
+            self.opt.step()
+            with torch.no_grad():
+                for p, m in self._pairs():
+                    p.copy_(m)
+        self.opt.zero_grad()
+        return applied

@@ -15,9 +15,15 @@ Lifecycle of one step (DESIGN.md section 3):
    plan order (see [Note: bucket order]); at the end of backward the rest are launched with zeros
    for missing gradients, and every collective is waited for.
 2. step: one all-reduce of ``[sum of squared grad rows, per-param used flags]`` gives the global
-   norm and which params were used on any rank; masked params get ``grad=None`` so the inner
-   optimizer skips them; the inner optimizer updates the fp32 master rows; the updated rows are
-   all-gathered (bucketed) back into the model's params; gradient state is cleared.
+   norm and which params were used on any rank. A non-finite norm means some rank overflowed:
+   every rank sees the same sum, so every rank skips the same step. Otherwise masked params get
+   ``grad=None`` so the inner optimizer skips them, the rows are unscaled and clipped in one
+   multiply, the inner optimizer updates the fp32 master rows, and the updated rows are
+   all-gathered (bucketed, in the params' dtype) back into the model's params.
+
+Mixed precision: cast the model to fp16/bf16 *before* wrapping; master rows are always fp32 and
+only the owner holds them. fp16 gets dynamic loss scaling (``opt.backward`` scales); bf16/fp32
+are not scaled but non-finite steps are still skipped and counted (``skipped_steps``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from hf_lowzero.config import ZeroConfig
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
 from hf_lowzero.zero.inner import check_inner_optimizer
+from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
 from hf_lowzero.zero.memory import MemoryReport, tensor_bytes
 from hf_lowzero.zero.partition import ParamShard
 from hf_lowzero.zero.stages import MASTER_DTYPE, AllReduceGrads, ReduceScatterGrads
@@ -98,12 +105,15 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             group["params"] = [self.master_rows[slot_of[id(p)].index] for p in group["params"]]
 
-        self._locally_used = torch.zeros(len(self.slots), dtype=MASTER_DTYPE)  # since the last step
+        self._locally_used = [False] * len(self.slots)  # got a gradient on this rank since the last step
         self._sync_enabled = True
         self._unsynced_local_grads = False  # stage 1: a no_sync backward left grads in p.grad
         self._end_of_backward_queued = False
         self._sync_count = 0
         self.last_grad_norm: float | None = None
+        self.scaler = _make_scaler(self.config, {slot.param.dtype for slot in self.slots})
+        self.skipped_steps = 0
+        self._consecutive_skips = 0
         self._hook_handles = [
             slot.param.register_post_accumulate_grad_hook(self._make_hook(slot)) for slot in self.slots
         ]
@@ -140,26 +150,44 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the inner optimizer state (local, no communication)."""
-        return self.optim.state_dict()
+        """This rank's shard: inner optimizer state plus loss-scaler state (local, no communication)."""
+        return {
+            "inner": self.optim.state_dict(),
+            "loss_scaler": self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self._consecutive_skips,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict produced by :meth:`state_dict` on the same rank and world size."""
-        self.optim.load_state_dict(state_dict)
+        if not isinstance(state_dict, dict) or "inner" not in state_dict or "loss_scaler" not in state_dict:
+            raise ValueError(
+                "not a LowLevelZeroOptimizer state dict (expected keys 'inner' and 'loss_scaler'); "
+                "use load_checkpoint() for sharded checkpoints saved at another world size"
+            )
+        self.optim.load_state_dict(state_dict["inner"])
+        self.scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self._consecutive_skips = int(state_dict["consecutive_skips"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows."""
         for slot in self.slots:
             slot.param.grad = None
         self.grad_sync.clear()
-        self._locally_used.zero_()
+        self._locally_used = [False] * len(self.slots)
         self._unsynced_local_grads = False
 
     # ----------------------------------------------------------------------------- backward
 
     def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
-        """``loss.backward()`` plus gradient synchronization, also on a rank where no param got a grad."""
+        """``loss.backward()`` with loss scaling (fp16) and gradient synchronization.
+
+        Also synchronizes on a rank where no parameter got a gradient, so no peer waits forever.
+        """
         syncs_before = self._sync_count
+        if self.scaler.scale != 1.0:
+            loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
         loss.backward(**backward_kwargs)
         if self._sync_enabled and self._sync_count == syncs_before:
             # No hook fired on this rank, so no end-of-backward callback was queued; the other
@@ -193,7 +221,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_grad_ready(self, slot: ParamSlot) -> None:
-        self._locally_used[slot.index] = 1.0
+        self._locally_used[slot.index] = True
         if not self._sync_enabled:
             self._unsynced_local_grads = True
             return
@@ -225,40 +253,79 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
-        """Apply one update from the gradients gathered since the last step. Returns True if applied."""
+        """Apply one update from the gradients gathered since the last step.
+
+        Returns True when applied, False when skipped because some rank's gradients were not
+        finite (every rank skips together). A skipped step changes no param, master row,
+        optimizer state or step counter; its gradients are discarded either way.
+        """
         if closure is not None:
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
         if self._unsynced_local_grads:
             self._synchronize()  # stage 1: every backward of this step ran under no_sync()
         grad_rows = [self.grad_sync.grad_rows(bucket) for bucket in self.buckets]
+        scaled_norm, used = self._global_norm_and_usage(grad_rows)
+        self.last_grad_norm = scaled_norm / self.scaler.scale
+        if not math.isfinite(scaled_norm):
+            return self._skip_step()
 
-        # One collective for the global norm and for "used on any rank" (DDP's unused params).
-        stats = torch.zeros(1 + len(self.slots), dtype=MASTER_DTYPE, device=self.flat_master_rows.device)
-        for rows in grad_rows:
-            if rows is not None:
-                stats[0] += rows.square().sum()
-        stats[1:] = self._locally_used.to(stats.device)
-        comm.all_reduce(stats, self.group)
-        stats = stats.cpu()
-        norm = math.sqrt(stats[0].item())
-        used = (stats[1:] > 0).tolist()
-        self.last_grad_norm = norm
-
+        # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
         clip = self.config.clip_grad_norm
-        coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        clip_coef = min(1.0, clip / (self.last_grad_norm + 1e-6)) if clip > 0 else 1.0
+        coef = clip_coef / self.scaler.scale
         for bucket, rows in zip(self.buckets, grad_rows):
-            if rows is not None and coef < 1.0:
+            if rows is not None and coef != 1.0:
                 rows.mul_(coef)
             for slot in bucket.slots:
-                master = self.master_rows[slot.index]
                 applied = used[slot.index] and rows is not None
-                master.grad = self._row_view(rows, slot, bucket.row_offset) if applied else None
+                self.master_rows[slot.index].grad = self._row_view(rows, slot, bucket.row_offset) if applied else None
         self.optim.step()
         for master in self.master_rows:
             master.grad = None
         self._gather_params()
+        self.scaler.update(overflow=False)
+        self._consecutive_skips = 0
         self.zero_grad()
         return True
+
+    def _global_norm_and_usage(self, grad_rows: list[torch.Tensor | None]) -> tuple[float, list[bool]]:
+        """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
+        got a gradient on any rank (DDP's unused-parameter detection). Padding rows are zero, so
+        the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
+        stats = torch.zeros(1 + len(self.slots), dtype=MASTER_DTYPE, device=self.flat_master_rows.device)
+        for rows in grad_rows:
+            if rows is not None:
+                stats[0] += rows.square().sum()
+        stats[1:] = torch.tensor(self._locally_used, dtype=MASTER_DTYPE)
+        comm.all_reduce(stats, self.group)
+        stats = stats.cpu()
+        return math.sqrt(stats[0].item()), (stats[1:] > 0).tolist()
+
+    def _skip_step(self) -> bool:
+        was_at_min_scale = self.scaler.at_min_scale
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        self.scaler.update(overflow=True)
+        self.zero_grad()
+        if was_at_min_scale:
+            raise RuntimeError(
+                f"gradients are not finite even at the minimum loss scale ({self.config.min_scale}); "
+                f"{self.skipped_steps} steps skipped so far. The model itself produces inf/nan: lower "
+                "the learning rate, enable clip_grad_norm, check the data, or train in bf16/fp32."
+            )
+        if self._consecutive_skips >= self.config.max_consecutive_skips:
+            raise RuntimeError(
+                f"{self._consecutive_skips} consecutive steps were skipped because gradients were not "
+                f"finite (loss scale now {self.scaler.scale}); training is making no progress. Lower "
+                "the learning rate, enable clip_grad_norm, check the data for inf/nan, or raise "
+                "ZeroConfig.max_consecutive_skips if this is expected."
+            )
+        return False
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless the params are fp16)."""
+        return self.scaler.scale
 
     def _gather_params(self) -> None:
         """All-gather the updated master rows back into the model's params, bucket by bucket."""
@@ -310,6 +377,21 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             ),
             buffers=tensor_bytes(self.model.buffers()),
         )
+
+
+def _make_scaler(config: ZeroConfig, dtypes: set[torch.dtype]) -> DynamicLossScaler | ConstantScale:
+    """fp16 params need dynamic loss scaling; bf16 and fp32 do not."""
+    if torch.float16 not in dtypes:
+        return ConstantScale()
+    return DynamicLossScaler(
+        initial_scale=config.initial_scale,
+        growth_factor=config.growth_factor,
+        backoff_factor=config.backoff_factor,
+        growth_interval=config.growth_interval,
+        hysteresis=config.hysteresis,
+        min_scale=config.min_scale,
+        max_scale=config.max_scale,
+    )
 
 
 def _managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> list[ParamSlot]:
