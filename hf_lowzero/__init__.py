@@ -8,6 +8,7 @@ Example::
 
 from hf_lowzero.config import ZeroConfig
 from hf_lowzero.zero import LowLevelZeroOptimizer, MemoryReport
+from hf_lowzero.zero.checkpoint import CheckpointError, consolidate_checkpoint
 
-__all__ = ["LowLevelZeroOptimizer", "MemoryReport", "ZeroConfig"]
+__all__ = ["CheckpointError", "LowLevelZeroOptimizer", "MemoryReport", "ZeroConfig", "consolidate_checkpoint"]
 __version__ = "0.1.0"

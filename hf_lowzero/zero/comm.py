@@ -85,6 +85,17 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     return _all_gather_impl(output, input, group=group, async_op=async_op)
 
 
+def barrier(group: ProcessGroup | None) -> None:
+    dist.barrier(group=group)
+
+
+def all_gather_object(obj, group: ProcessGroup | None) -> list:
+    """Every rank's small picklable ``obj`` (e.g. a validation verdict), in rank order."""
+    out = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def wait(work) -> None:
     """Wait for an async handle; ``None`` (a synchronous call) is a no-op."""
     if work is not None:

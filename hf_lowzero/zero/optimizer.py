@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hf_lowzero.config import ZeroConfig
-from hf_lowzero.zero import comm
+from hf_lowzero.zero import checkpoint, comm
 from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
 from hf_lowzero.zero.inner import check_inner_optimizer
 from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
@@ -177,6 +179,21 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.grad_sync.clear()
         self._locally_used = [False] * len(self.slots)
         self._unsynced_local_grads = False
+
+    # -------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Write this optimizer's sharded state to directory ``path``, atomically. Collective."""
+        return checkpoint.save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Load a checkpoint saved at any world size (validated first; collective) and copy the
+        loaded master weights into the model's params."""
+        return checkpoint.load_checkpoint(self, path)
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The full (unsharded) inner-optimizer state in torch's format on rank 0. Collective."""
+        return checkpoint.full_state_dict(self)
 
     # ----------------------------------------------------------------------------- backward
 
@@ -327,6 +344,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """The current loss scale (1.0 unless the params are fp16)."""
         return self.scaler.scale
 
+    @torch.no_grad()
     def _gather_params(self) -> None:
         """All-gather the updated master rows back into the model's params, bucket by bucket."""
         in_flight: list[tuple] = []

@@ -1,0 +1,248 @@
+"""Sharded checkpoints: resharding resume equals the uninterrupted run; bad checkpoints change
+nothing; a crash during save leaves the previous checkpoint loadable; full export."""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+from torch.multiprocessing import ProcessExitedException
+from torch.nn.functional import mse_loss
+
+from hf_lowzero import CheckpointError, LowLevelZeroOptimizer, consolidate_checkpoint
+from tests.distributed import run_distributed
+from tests.models import BranchyNet, assert_params_equal, ddp_reference, make_inner
+
+GLOBAL_BATCH = 12  # divisible by every world size we use, so each step sees the same global batch
+COMBOS = [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16), (2, torch.float16)]
+BEFORE, AFTER = 3, 3  # steps before the checkpoint, steps after it
+
+
+def global_batch(rank: int, world_size: int, step: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(GLOBAL_BATCH, 17, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+    chunk = GLOBAL_BATCH // world_size
+    return x[rank * chunk : (rank + 1) * chunk].to(dtype), y[rank * chunk : (rank + 1) * chunk].to(dtype)
+
+
+def build(stage: int, dtype: torch.dtype, seed: int = 0):
+    model = BranchyNet(seed).to(dtype)
+    # fp16: a scale that does not overflow by itself (whether a borderline scale overflows depends
+    # on rounding, so on the world size), growing every 2 clean steps, so the scaler state changes.
+    fp16 = {"initial_scale": 2.0**10, "growth_interval": 2} if dtype is torch.float16 else {}
+    return model, LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001, **fp16)
+
+
+def overflow_once(model: nn.Module, rank: int) -> None:
+    """An inf gradient in the first backward on rank 0: one skipped step before the checkpoint."""
+    calls = []
+
+    def hook(grad):
+        calls.append(1)
+        return grad.index_fill(0, torch.tensor([0]), float("inf")) if rank == 0 and len(calls) == 1 else grad
+
+    model.head.bias.register_hook(hook)
+
+
+def train(model, opt, rank, world_size, steps, dtype):
+    for step in steps:
+        x, y = global_batch(rank, world_size, step, dtype)
+        opt.backward(mse_loss(model(x), y))
+        opt.step()
+
+
+def counters(opt) -> dict:
+    steps = sorted({float(s["step"]) for s in opt.state.values() if "step" in s})
+    return {"loss_scale": opt.loss_scale, "skipped": opt.skipped_steps, "adam_steps": steps}
+
+
+def save_then_continue(rank, world_size, tmp):
+    for stage, dtype in COMBOS:
+        tag = f"{stage}-{dtype}"
+        model, opt = build(stage, dtype)
+        overflow_once(model, rank)
+        train(model, opt, rank, world_size, range(BEFORE), dtype)
+        opt.save_checkpoint(f"{tmp}/ckpt-{tag}")
+        saved = counters(opt)
+        train(model, opt, rank, world_size, range(BEFORE, BEFORE + AFTER), dtype)
+        if rank == 0:
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{tmp}/final-{tag}.pt")
+            with open(f"{tmp}/counters-{tag}.json", "w") as f:
+                json.dump(saved, f)
+
+
+def load_then_continue(rank, world_size, tmp):
+    for stage, dtype in COMBOS:
+        tag = f"{stage}-{dtype}"
+        model, opt = build(stage, dtype, seed=7)  # different init: everything must come from the checkpoint
+        opt.load_checkpoint(f"{tmp}/ckpt-{tag}")
+        saved = consolidate_checkpoint(f"{tmp}/ckpt-{tag}")
+        for name, p in model.named_parameters():
+            assert torch.equal(p, saved[name].to(dtype)), f"{tag} {name}: params must equal the saved masters"
+        with open(f"{tmp}/counters-{tag}.json") as f:
+            assert counters(opt) == json.load(f), tag
+        train(model, opt, rank, world_size, range(BEFORE, BEFORE + AFTER), dtype)
+        final = torch.load(f"{tmp}/final-{tag}.pt")
+        # Same math at another world size: equal up to summation order (fp32), or up to two
+        # units in the last place of a 16-bit param (Adam can turn a rounding flip into one ULP).
+        tol = 1e-5 if dtype is torch.float32 else 2 * torch.finfo(dtype).eps
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p, final[name], rtol=tol, atol=tol, msg=lambda m, n=name, t=tag: f"{t} {n}: {m}")
+
+
+@pytest.mark.parametrize("saved_ws,loaded_ws", [(2, 3), (3, 2), (2, 1), (1, 4)])
+def test_resume_at_another_world_size_continues_like_the_uninterrupted_run(tmp_path, saved_ws, loaded_ws):
+    run_distributed(save_then_continue, saved_ws, tmp=str(tmp_path))
+    if saved_ws == 2:  # one checkpoint per rank plus metadata and the unsharded extras, nothing pickled
+        names = sorted(os.listdir(tmp_path / "ckpt-1-torch.float32"))
+        assert names == [
+            "zero_meta.json",
+            "zero_model_extras.safetensors",
+            "zero_shard_rank00000_of_00002.safetensors",
+            "zero_shard_rank00001_of_00002.safetensors",
+        ]
+    run_distributed(load_then_continue, loaded_ws, tmp=str(tmp_path))
+
+
+class WiderHead(BranchyNet):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(13, 4)
+
+
+def snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(before, model, opt):
+    params, state = before
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    now = opt.state_dict()
+    assert now["loss_scaler"] == state["loss_scaler"] and now["skipped_steps"] == state["skipped_steps"]
+    for k, v in state["inner"]["state"].items():
+        assert all(torch.equal(v[key], now["inner"]["state"][k][key]) for key in v)
+
+
+def corrupt(src, dst, how):
+    shutil.copytree(src, dst)
+    rank1 = os.path.join(dst, "zero_shard_rank00001_of_00002.safetensors")
+    if how == "missing_rank_file":
+        os.remove(rank1)
+    elif how == "truncated":
+        with open(rank1, "r+b") as f:
+            f.truncate(os.path.getsize(rank1) - 100)
+    elif how == "garbage_header":
+        with open(rank1, "r+b") as f:
+            f.write(b"\xff" * 16)
+    elif how == "unknown_version":
+        meta_path = os.path.join(dst, "zero_meta.json")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta["format_version"] = 99
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+    elif how == "no_metadata":
+        os.remove(os.path.join(dst, "zero_meta.json"))
+
+
+BAD = {
+    "missing_rank_file": "zero_shard_rank00001_of_00002.safetensors: file missing",
+    "truncated": "zero_shard_rank00001_of_00002.safetensors: truncated or corrupted",
+    "garbage_header": "zero_shard_rank00001_of_00002.safetensors: truncated or corrupted",
+    "unknown_version": "zero_meta.json: unknown format version 99",
+    "no_metadata": "zero_meta.json: missing; not a complete hf_lowzero checkpoint",
+}
+
+
+def bad_checkpoint_body(rank, world_size, tmp):
+    model, opt = build(2, torch.float32)
+    train(model, opt, rank, world_size, range(2), torch.float32)
+    good = opt.save_checkpoint(f"{tmp}/good")
+    if rank == 0:
+        for how in BAD:
+            corrupt(good, f"{tmp}/{how}", how)
+    dist.barrier()
+    train(model, opt, rank, world_size, range(2, 3), torch.float32)  # so a wrong load would show
+    for how, message in BAD.items():
+        before = snapshot(model, opt)
+        with pytest.raises(CheckpointError, match=message):  # on every rank, also those that read no rank-1 file
+            opt.load_checkpoint(f"{tmp}/{how}")
+        assert_unchanged(before, model, opt)
+    for other, message in [(WiderHead(), "shapes differ"), (nn.Linear(17, 3), "different model")]:
+        other_opt = LowLevelZeroOptimizer(other, make_inner("adamw", other), stage=2)
+        before = snapshot(other, other_opt)
+        with pytest.raises(CheckpointError, match=message):
+            other_opt.load_checkpoint(good)
+        assert_unchanged(before, other, other_opt)
+    opt.load_checkpoint(good)  # the good one still loads after all that
+
+
+def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(tmp_path):
+    run_distributed(bad_checkpoint_body, 2, tmp=str(tmp_path))
+
+
+def crash_during_save_body(rank, world_size, tmp):
+    model, opt = build(1, torch.float32)
+    train(model, opt, rank, world_size, range(2), torch.float32)
+    opt.save_checkpoint(f"{tmp}/ckpt")
+    if rank == 0:
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{tmp}/saved.pt")
+    train(model, opt, rank, world_size, range(2, 3), torch.float32)
+    if rank == 1:
+        os.environ["HF_LOWZERO_CRASH_POINT"] = "after_rank_files"  # dies mid-save, as a killed worker would
+    opt.save_checkpoint(f"{tmp}/ckpt")
+
+
+def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    with pytest.raises(ProcessExitedException, match="exit code 17"):
+        run_distributed(crash_during_save_body, 2, tmp=str(tmp_path))
+    assert (tmp_path / "ckpt.partial").is_dir()  # the half-written save is there...
+    with pytest.raises(CheckpointError, match="not a complete hf_lowzero checkpoint"):
+        consolidate_checkpoint(tmp_path / "ckpt.partial")  # ...and is refused
+    weights = consolidate_checkpoint(tmp_path / "ckpt")
+    for name, value in torch.load(tmp_path / "saved.pt").items():
+        assert torch.equal(weights[name], value), name
+
+
+def export_body(rank, world_size, tmp):
+    model = BranchyNet()
+    ref = ddp_reference(model)
+    ref_opt = make_inner("adamw", ref.module)
+    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=2, reduce_bucket_mb=0.001)
+    for step in range(3):
+        x, y = global_batch(rank, world_size, step, torch.float32)
+        opt.backward(mse_loss(model(x), y))
+        opt.step()
+        mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = opt.full_state_dict()
+    opt.save_checkpoint(f"{tmp}/ckpt")
+    if rank != 0:
+        assert full is None
+        return
+    expected = ref_opt.state_dict()
+    assert len(full["state"]) == len(expected["state"]) == 9  # 11 trainable; `never` has no state in either
+    for idx, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(full["state"][idx][key], value, rtol=1e-5, atol=1e-6)
+    plain = make_inner("adamw", copy.deepcopy(model))
+    plain.load_state_dict(full)  # loads into a plain torch optimizer over the same groups
+    assert_params_equal(model, ref.module, "export")
+
+
+def test_full_state_dict_and_consolidation(tmp_path):
+    run_distributed(export_body, 3, tmp=str(tmp_path))
+    out = tmp_path / "pretrained"
+    subprocess.run([sys.executable, "-m", "hf_lowzero.consolidate", str(tmp_path / "ckpt"), str(out)], check=True)
+    weights = load_file(out / "model.safetensors")
+    fresh = BranchyNet(seed=3)
+    fresh.load_state_dict(weights, strict=True)  # complete: trainable, frozen and all
+    assert all(torch.equal(v, consolidate_checkpoint(tmp_path / "ckpt")[k]) for k, v in weights.items())
