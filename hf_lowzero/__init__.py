@@ -10,5 +10,25 @@ from hf_lowzero.config import ZeroConfig
 from hf_lowzero.zero import LowLevelZeroOptimizer, MemoryReport
 from hf_lowzero.zero.checkpoint import CheckpointError, consolidate_checkpoint
 
-__all__ = ["CheckpointError", "LowLevelZeroOptimizer", "MemoryReport", "ZeroConfig", "consolidate_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "LowLevelZeroOptimizer",
+    "LowZeroTrainer",
+    "LowZeroTrainingArguments",
+    "MemoryReport",
+    "ZeroConfig",
+    "consolidate_checkpoint",
+]
+
+
+def __getattr__(name: str):
+    # The Trainer layer needs transformers; import it only when asked for, so that
+    # `import hf_lowzero` (and hf_lowzero.zero) works with torch alone.
+    if name in ("LowZeroTrainer", "LowZeroTrainingArguments"):
+        from hf_lowzero import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_lowzero' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

@@ -28,7 +28,15 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, kwargs) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The same variables torchrun sets, so libraries that read them (accelerate) see this world.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
     fn(rank, world_size, **kwargs)

@@ -113,6 +113,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._end_of_backward_queued = False
         self._sync_count = 0
         self.last_grad_norm: float | None = None
+        self.last_step_applied: bool | None = None
+        self._pending_norm = None  # (grad rows, scaled norm, used flags) once computed for this step
         self.scaler = _make_scaler(self.config, {slot.param.dtype for slot in self.slots})
         self.skipped_steps = 0
         self._consecutive_skips = 0
@@ -179,6 +181,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.grad_sync.clear()
         self._locally_used = [False] * len(self.slots)
         self._unsynced_local_grads = False
+        self._pending_norm = None
 
     # -------------------------------------------------------------------------- checkpoints
 
@@ -238,6 +241,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_grad_ready(self, slot: ParamSlot) -> None:
+        self._pending_norm = None  # new gradients: a norm computed earlier is stale
         self._locally_used[slot.index] = True
         if not self._sync_enabled:
             self._unsynced_local_grads = True
@@ -278,13 +282,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
-        if self._unsynced_local_grads:
-            self._synchronize()  # stage 1: every backward of this step ran under no_sync()
-        grad_rows = [self.grad_sync.grad_rows(bucket) for bucket in self.buckets]
-        scaled_norm, used = self._global_norm_and_usage(grad_rows)
-        self.last_grad_norm = scaled_norm / self.scaler.scale
+        grad_rows, scaled_norm, used = self._norm_and_usage()
+        self._pending_norm = None
         if not math.isfinite(scaled_norm):
-            return self._skip_step()
+            self.last_step_applied = self._skip_step()
+            return False
 
         # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
         clip = self.config.clip_grad_norm
@@ -303,7 +305,27 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.scaler.update(overflow=False)
         self._consecutive_skips = 0
         self.zero_grad()
+        self.last_step_applied = True
         return True
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of this step's averaged, unscaled gradients (before clipping). Collective.
+
+        For callers that log the norm before ``step()`` (as ``transformers.Trainer`` does); the
+        result is cached, so the following ``step()`` does not communicate it again.
+        """
+        _, scaled_norm, _ = self._norm_and_usage()
+        return scaled_norm / self.scaler.scale
+
+    def _norm_and_usage(self):
+        if self._pending_norm is None:
+            if self._unsynced_local_grads:
+                self._synchronize()  # stage 1: every backward of this step ran under no_sync()
+            grad_rows = [self.grad_sync.grad_rows(bucket) for bucket in self.buckets]
+            scaled_norm, used = self._global_norm_and_usage(grad_rows)
+            self.last_grad_norm = scaled_norm / self.scaler.scale
+            self._pending_norm = (grad_rows, scaled_norm, used)
+        return self._pending_norm
 
     def _global_norm_and_usage(self, grad_rows: list[torch.Tensor | None]) -> tuple[float, list[bool]]:
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
@@ -319,6 +341,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return math.sqrt(stats[0].item()), (stats[1:] > 0).tolist()
 
     def _skip_step(self) -> bool:
+        """Count a skipped step, back the loss scale off, discard the gradients; False, or raise
+        when training can make no progress."""
         was_at_min_scale = self.scaler.at_min_scale
         self.skipped_steps += 1
         self._consecutive_skips += 1

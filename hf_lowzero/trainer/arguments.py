@@ -1,0 +1,95 @@
+"""LowZeroTrainingArguments: TrainingArguments plus the ZeRO switch and knobs, as CLI flags.
+
+Example::
+
+    parser = HfArgumentParser(LowZeroTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "out", "--zero_stage", "2", "--bf16"])
+    args.to_zero_config()   # ZeroConfig(stage=2, clip_grad_norm=1.0, ...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TrainingArguments
+
+from hf_lowzero.config import ZeroConfig
+
+
+@dataclass
+class LowZeroTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with ``zero_stage`` (0 = plain Trainer/DDP, 1, 2) and ZeroConfig knobs.
+
+    ``max_grad_norm`` becomes ZeRO's global-norm clipping; ``bf16``/``fp16`` become 16-bit params
+    with fp32 master rows (no autocast, no GradScaler: the optimizer scales fp16 losses itself).
+    Knobs without a flag of their own go in ``zero_config``: a JSON object or the path of a JSON
+    file with any ``ZeroConfig`` fields, e.g. ``'{"initial_scale": 1024, "hysteresis": 1}'``.
+    """
+
+    zero_stage: int = field(
+        default=0,
+        metadata={"help": "ZeRO stage: 0 = off (plain Trainer/DDP), 1 = shard optimizer state, 2 = also gradients"},
+    )
+    zero_reduce_bucket_mb: float | None = field(
+        default=None, metadata={"help": "MiB of gradient per reduction bucket (25)"}
+    )
+    zero_overlap_communication: bool | None = field(
+        default=None, metadata={"help": "Overlap gradient reduction with backward (True)"}
+    )
+    zero_communication_dtype: str | None = field(
+        default=None, metadata={"help": "dtype of gradient reductions: fp32, bf16, fp16 (default: the params' dtype)"}
+    )
+    zero_config: str | None = field(
+        default=None, metadata={"help": "Other ZeroConfig fields: a JSON object or a path to a JSON file"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.use_cpu and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # accelerate treats a multi-process CPU job as a single process unless use_cpu is set:
+            # every rank would then see all the data and log as process 0.
+            self.use_cpu = True
+        super().__post_init__()
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} is invalid; expected 0 (off), 1 (shard optimizer states) "
+                "or 2 (also shard gradients)"
+            )
+        if self.zero_stage:
+            self.to_zero_config()  # validate every knob now, not at the first step
+
+    @property
+    def zero_dtype(self) -> str | None:
+        """The 16-bit dtype the params are cast to under ZeRO, or None for fp32."""
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else None
+
+    def to_zero_config(self, **overrides) -> ZeroConfig:
+        """The ZeroConfig these arguments describe (``zero_config`` JSON, then the ``zero_*`` flags)."""
+        base = _load_json_config(self.zero_config)
+        flags = {
+            "reduce_bucket_mb": self.zero_reduce_bucket_mb,
+            "overlap_communication": self.zero_overlap_communication,
+            "communication_dtype": self.zero_communication_dtype,
+        }
+        base.update({k: v for k, v in flags.items() if v is not None})
+        base.update(stage=self.zero_stage or 2, clip_grad_norm=float(self.max_grad_norm or 0.0), **overrides)
+        try:
+            return ZeroConfig(**base)
+        except TypeError as e:
+            raise ValueError(f"zero_config has an unknown field: {e}") from e
+
+
+def _load_json_config(value: str | None) -> dict:
+    if not value:
+        return {}
+    text = Path(value).read_text() if not value.lstrip().startswith("{") else value
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"zero_config={value!r} is neither a JSON object nor a path to one: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"zero_config must be a JSON object of ZeroConfig fields, got {type(data).__name__}")
+    return data

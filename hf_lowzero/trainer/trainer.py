@@ -1,0 +1,185 @@
+"""LowZeroTrainer: ``transformers.Trainer`` with ZeRO stage 1/2, switched on by ``zero_stage``.
+
+Example::
+
+    args = LowZeroTrainingArguments(output_dir="out", zero_stage=2, bf16=True, gradient_accumulation_steps=4)
+    LowZeroTrainer(model=model, args=args, train_dataset=ds).train()
+
+With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
+- the model is not wrapped in DDP (the optimizer synchronizes gradients); data is still sharded;
+- ``bf16``/``fp16`` cast the params once; the accelerator gets no mixed precision (no autocast,
+  no GradScaler); fp16 losses are scaled by the optimizer;
+- stage 1 uses ``no_sync()`` for non-final micro-batches, stage 2 reduces every micro-batch;
+- the logged ``grad_norm`` is the true global norm; ``loss_scale`` and ``skipped_steps`` are
+  logged too; a skipped step does not advance the LR schedule;
+- every rank's optimizer shard is saved into ``checkpoint-N/zero_optimizer`` and resumed at the
+  same or another world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer
+
+from hf_lowzero.config import parse_dtype
+from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+ZERO_CHECKPOINT_DIR = "zero_optimizer"
+SCHEDULER_NAME = "scheduler.pt"
+
+
+class ZeroTrainingModule(nn.Module):
+    """What the Trainer trains under ZeRO: the model itself (no DDP), plus a ``no_sync()`` that
+    accelerate's ``Accelerator.no_sync`` picks up: the optimizer's under stage 1, a no-op under
+    stage 2 (which must reduce every micro-batch)."""
+
+    def __init__(self, module: nn.Module, optimizer: LowLevelZeroOptimizer) -> None:
+        super().__init__()
+        self.module = module
+        self._zero_optimizer = optimizer  # not a submodule
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        if self._zero_optimizer.grad_sync.allows_no_sync:
+            return self._zero_optimizer.no_sync()
+        return contextlib.nullcontext()
+
+
+class LowZeroTrainer(Trainer):
+    """A ``Trainer`` that runs ZeRO stage 1/2 when ``args.zero_stage`` > 0 (see the module docstring)."""
+
+    args: LowZeroTrainingArguments
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, LowZeroTrainingArguments):
+            raise TypeError(
+                f"LowZeroTrainer needs LowZeroTrainingArguments (got {type(self.args).__name__}); "
+                "build the arguments with hf_lowzero.LowZeroTrainingArguments(..., zero_stage=...)"
+            )
+        self.zero_optimizer: LowLevelZeroOptimizer | None = None
+
+    @property
+    def zero_enabled(self) -> bool:
+        return getattr(self.args, "zero_stage", 0) > 0
+
+    # ---------------------------------------------------------------------------- set-up
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        if self.zero_enabled:
+            # 16-bit params with fp32 master rows replace autocast + GradScaler.
+            args["mixed_precision"] = "no"
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.zero_enabled:
+            # Trainer.training_step ends in accelerator.backward(loss); route it through the ZeRO
+            # optimizer, which scales fp16 losses and synchronizes even where no param got a grad.
+            self.accelerator.backward = self._zero_backward
+
+    def _zero_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.zero_optimizer.backward(loss, **kwargs)
+
+    def create_optimizer(self, model=None):
+        if not self.zero_enabled:
+            return super().create_optimizer(model)
+        if self.zero_optimizer is None:
+            _ensure_process_group()
+            if self.args.zero_dtype is not None:
+                self.model.to(parse_dtype(self.args.zero_dtype, "dtype"))
+            inner = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
+            if isinstance(inner, LowLevelZeroOptimizer):
+                self.zero_optimizer = inner
+            else:
+                self.zero_optimizer = LowLevelZeroOptimizer(self.model, inner, self.args.to_zero_config())
+            self.optimizer = self.zero_optimizer
+        return self.optimizer
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if not self.zero_enabled or not training:
+            return super()._wrap_model(model, training, dataloader)
+        if isinstance(model, ZeroTrainingModule):
+            return model
+        return ZeroTrainingModule(self.model, self.zero_optimizer)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.zero_enabled:
+            # accelerate decides whether the scheduler steps from its wrapper's overflow flag,
+            # which it only sets for its own GradScaler; mirror the ZeRO optimizer's verdict there.
+            wrapper = self.optimizer
+
+            def record_skip(optimizer, args, kwargs) -> None:
+                wrapper._is_overflow = not optimizer.last_step_applied
+
+            if wrapper is not self.zero_optimizer and not getattr(self, "_skip_hook", None):
+                self._skip_hook = self.zero_optimizer.register_step_post_hook(record_skip)
+        return model, train_dataloader
+
+    # ----------------------------------------------------------------- norms and logging
+
+    def _clip_grad_norm(self, model):
+        if not self.zero_enabled:
+            return super()._clip_grad_norm(model)
+        return self.zero_optimizer.grad_norm()  # clipping itself happens inside step()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if not self.zero_enabled:
+            return super()._get_grad_norm(model, grad_norm)
+        return grad_norm if grad_norm is not None else self.zero_optimizer.grad_norm()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.zero_enabled and self.zero_optimizer is not None and "loss" in logs:
+            logs["loss_scale"] = self.zero_optimizer.loss_scale
+            logs["skipped_steps"] = self.zero_optimizer.skipped_steps
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.zero_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.zero_optimizer.save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR))  # every rank
+        if self.args.should_save:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's "please also save optimizer" note
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self.zero_enabled or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.zero_optimizer.load_checkpoint(os.path.join(checkpoint, ZERO_CHECKPOINT_DIR))
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler_file):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.zero_enabled and dist.is_initialized():
+            # Trainer has no barrier before on_save callbacks: make every file of checkpoint-N
+            # (rank 0's trainer state included) exist before any rank reports it.
+            dist.barrier()
+
+
+def _ensure_process_group() -> None:
+    """A single process (one GPU, or CPU) with no launcher: a world of size 1, so ZeRO's fp32
+    master rows and loss scaling work there too. Launched jobs already have their group."""
+    if dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("WORLD_SIZE > 1 but torch.distributed is not initialized; launch with torchrun or Ray")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
