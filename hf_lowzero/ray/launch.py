@@ -1,0 +1,219 @@
+"""Ray Train launch for the causal-LM fine-tune: TorchTrainer, sharded-checkpoint reporting, restore.
+
+Example::
+
+    ray.init(address="local", num_cpus=3)
+    result = run_finetune(RayFinetuneConfig(num_workers=2, zero_stage=2, max_steps=20, save_steps=5,
+                                            storage_path="/tmp/ray_results"))
+    print(result.metrics, result.checkpoint.path)
+
+# [Note: one checkpoint from every rank]
+# ray.train.report is a barrier and every rank uploads its own directory into the same checkpoint
+# folder in storage; files of the same name from different ranks overwrite each other. So each rank
+# reports only the files it owns: rank r its own ZeRO shard and RNG state, rank 0 everything else
+# (model, metadata, scheduler, trainer state). Ray registers the checkpoint only when every rank's
+# report arrived, so a registered checkpoint always holds every shard, also across nodes that share
+# no filesystem. A restarted run restores through ray.train.get_checkpoint(), never by scanning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from transformers import TrainerCallback
+
+from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+from hf_lowzero.trainer.clm import ClmArguments, finetune_clm
+
+FAILURE_MARKER = ".hf_lowzero_failure_injected"
+
+
+@dataclass(kw_only=True)
+class RayFinetuneConfig:
+    """Everything the Ray job needs; ``ray_jobs/finetune.py`` builds it from its flags."""
+
+    num_workers: int = 2
+    """Ray workers (one process per rank); one GPU each with ``use_gpu``."""
+    use_gpu: bool = False
+    """Place one worker per GPU and use NCCL (gloo on CPU otherwise)."""
+    zero_stage: int = 2
+    max_steps: int = 40
+    save_steps: int = 10
+    learning_rate: float = 3e-3
+    per_device_train_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    bf16: bool = False
+    zero_config: str | None = None
+    """Other ZeroConfig fields as JSON (see LowZeroTrainingArguments.zero_config)."""
+    model_name_or_path: str | None = None
+    train_file: str | None = None
+    storage_path: str = field(default_factory=lambda: str(Path.home() / "ray_results"))
+    name: str = "hf_lowzero_finetune"
+    max_failures: int = 3
+    inject_failure_at_step: int | None = None
+    """Kill one worker process once, at this step, on the first attempt (demos and tests)."""
+    num_to_keep: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers={self.num_workers} is invalid; expected at least 1")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={self.zero_stage} is invalid; expected 0, 1 or 2")
+        if self.max_steps < 1 or self.save_steps < 1:
+            raise ValueError("max_steps and save_steps must be >= 1")
+        if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step <= self.max_steps:
+            raise ValueError(f"inject_failure_at_step must be in [1, max_steps={self.max_steps}]")
+
+
+def run_finetune(config: RayFinetuneConfig, **trainer_overrides) -> ray.train.Result:
+    """Fit the fine-tune on the connected Ray cluster; returns Ray's ``Result`` (metrics, checkpoint)."""
+    trainer = build_trainer(config, **trainer_overrides)
+    return trainer.fit()
+
+
+def build_trainer(config: RayFinetuneConfig, run_config: RunConfig | None = None, callbacks=None) -> TorchTrainer:
+    """The ``TorchTrainer`` for ``config`` (also used by the Tune sweep, which passes its callbacks)."""
+    run_config = run_config or RunConfig(
+        name=config.name,
+        storage_path=config.storage_path,
+        failure_config=FailureConfig(max_failures=config.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=config.num_to_keep),
+        callbacks=callbacks,
+    )
+    return TorchTrainer(
+        train_loop_per_worker=train_loop_per_worker,
+        train_loop_config=dataclasses.asdict(config),
+        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
+        run_config=run_config,
+    )
+
+
+def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
+    """Runs on every Ray worker (process group already initialized by Ray Train)."""
+    config = RayFinetuneConfig(**config_dict)
+    output_dir = _shared_local_dir(config.name)
+    args = LowZeroTrainingArguments(
+        output_dir=output_dir,
+        zero_stage=config.zero_stage,
+        zero_config=config.zero_config,
+        max_steps=config.max_steps,
+        save_strategy="steps",
+        save_steps=config.save_steps,
+        save_total_limit=config.num_to_keep,
+        learning_rate=config.learning_rate,
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        bf16=config.bf16,
+        use_cpu=not config.use_gpu,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        seed=config.seed,
+    )
+    model_args = ClmArguments(model_name_or_path=config.model_name_or_path)
+    if config.train_file:
+        model_args.train_file = config.train_file
+    callbacks = [ReportShardedCheckpoints()]
+    if config.inject_failure_at_step:
+        callbacks.append(InjectWorkerFailure(config.inject_failure_at_step, Path(config.storage_path) / config.name))
+
+    checkpoint = ray.train.get_checkpoint()
+    try:
+        if checkpoint is None:
+            finetune_clm(model_args, args, callbacks=callbacks)
+        else:
+            with checkpoint.as_directory() as restored:
+                finetune_clm(model_args, args, callbacks=callbacks, resume=_trainer_checkpoint_in(restored))
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)  # everything worth keeping was reported
+
+
+class ReportShardedCheckpoints(TrainerCallback):
+    """Reports every Trainer checkpoint to Ray from every rank (see [Note: one checkpoint from every rank])."""
+
+    def __init__(self) -> None:
+        self._last_logs: dict[str, float] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self._last_logs = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
+
+    def on_save(self, args, state, control, **kwargs):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        source = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        staging = Path(tempfile.mkdtemp(prefix=f"hf_lowzero_report_r{rank}_"))
+        _stage_owned_files(source, staging / source.name, rank, world)
+        metrics = {**self._last_logs, "step": state.global_step}
+        ray.train.report(
+            metrics, checkpoint=Checkpoint.from_directory(str(staging)), delete_local_checkpoint_after_upload=True
+        )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        ray.train.report({**self._last_logs, "step": state.global_step, "done": True})
+
+
+_RANK_OWNED = re.compile(r"(zero_shard_rank(\d+)_of_\d+\.safetensors|rng_state_(\d+)\.pth)$")
+
+
+def _stage_owned_files(source: Path, target: Path, rank: int, world: int) -> None:
+    """Hard-link (or copy) into ``target`` the files of ``source`` that ``rank`` reports."""
+    for path in source.rglob("*"):
+        if not path.is_file():
+            continue
+        match = _RANK_OWNED.search(path.name)
+        owner = int(match.group(2) or match.group(3)) if match else 0
+        if owner != rank:
+            continue
+        dest = target / path.relative_to(source)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+
+
+def _trainer_checkpoint_in(restored: str) -> str:
+    found = sorted(Path(restored).glob("checkpoint-*"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one Trainer checkpoint-N folder in the Ray checkpoint {restored}, found {found}")
+    return str(found[0])
+
+
+def _shared_local_dir(name: str) -> str:
+    """A fresh Trainer output directory for this attempt: the same path on every rank (rank 0
+    picks it), created on every node (nodes may not share a filesystem)."""
+    path = [tempfile.mkdtemp(prefix=f"hf_lowzero_{name}_")] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(path, src=0)
+    os.makedirs(path[0], exist_ok=True)
+    return path[0]
+
+
+class InjectWorkerFailure(TrainerCallback):
+    """Kills the last rank's process once, at ``step``, on the first attempt only (a marker file in
+    the run's storage folder remembers that it happened). For demos and fault-tolerance tests."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        self.step = step
+        self.marker = run_dir / FAILURE_MARKER
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or self.marker.exists():
+            return
+        dist.barrier()  # every rank checked the marker before it appears
+        if dist.get_rank() == dist.get_world_size() - 1:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"worker of rank {dist.get_rank()} killed at step {state.global_step}\n")
+            print(f"[hf_lowzero] injecting a failure: killing rank {dist.get_rank()} at step {state.global_step}")
+            os._exit(1)
