@@ -5,8 +5,9 @@
     RAY_ADDRESS=auto python ray_jobs/finetune.py --use-gpu --num-workers 8 --storage-path /mnt/shared/runs
 
 With no ``--address`` and no ``RAY_ADDRESS`` it starts a local Ray instance; on a cluster it places
-one worker per GPU (``--use-gpu``, NCCL). Restarting with another ``--num-workers`` resumes the
-latest checkpoint resharded. Prints the final metrics and where the checkpoint is.
+one worker per GPU (``--use-gpu``, NCCL). Rerunning with the same ``--name`` (and storage path)
+resumes the latest checkpoint, resharded if ``--num-workers`` changed. Prints the final metrics
+and where the checkpoint is.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -40,7 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-name-or-path", default=None, help="local save_pretrained directory (default: tiny GPT-2)")
     p.add_argument("--train-file", default=None, help="plain-text corpus (default: the one shipped)")
     p.add_argument("--storage-path", default=d.storage_path, help="where Ray keeps checkpoints (shared or cloud)")
-    p.add_argument("--name", default=d.name, help="run name (a rerun with the same name resumes it)")
+    p.add_argument(
+        "--name", default=None, help="run name; a rerun with the same name resumes it (default: a new timestamped run)"
+    )
     p.add_argument("--max-failures", type=int, default=d.max_failures)
     p.add_argument("--inject-failure-at-step", type=int, default=None, help="kill one worker once at this step")
     return p.parse_args(argv)
@@ -62,7 +66,7 @@ def main(argv=None) -> None:
         model_name_or_path=a.model_name_or_path,
         train_file=a.train_file,
         storage_path=os.path.abspath(a.storage_path) if "://" not in a.storage_path else a.storage_path,
-        name=a.name,
+        name=a.name or f"{RayFinetuneConfig().name}_{time.strftime('%Y%m%d-%H%M%S')}",
         max_failures=a.max_failures,
         inject_failure_at_step=a.inject_failure_at_step,
     )
