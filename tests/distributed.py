@@ -1,51 +1,5 @@
-"""Run a function in ``world_size`` processes, one per rank, with a gloo process group on CPU.
+"""The tests' multi-process harness (lives in the library so the benchmarks share it)."""
 
-Example::
+from hf_lowzero.spawn import free_port, run_distributed
 
-    def body(rank, world_size, stage):
-        ...assertions...
-
-    run_distributed(body, 2, stage=1)
-"""
-
-from __future__ import annotations
-
-import datetime
-import os
-import socket
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-TIMEOUT = datetime.timedelta(seconds=120)  # a hang fails the test instead of blocking the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn, kwargs) -> None:
-    # The same variables torchrun sets, so libraries that read them (accelerate) see this world.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
-    fn(rank, world_size, **kwargs)
-    # Tear down together: a rank destroying its gloo group while a peer is still using the
-    # connections can abort the peer ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_distributed(fn, world_size: int, **kwargs) -> None:
-    """Spawn ``world_size`` ranks running ``fn(rank, world_size, **kwargs)``; re-raise any failure."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, kwargs), nprocs=world_size, join=True)
+__all__ = ["free_port", "run_distributed"]

@@ -2,11 +2,16 @@
 
 import pytest
 
+from hf_lowzero import ZeroConfig
 from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
 
 
+def scaler(**knobs) -> DynamicLossScaler:
+    return DynamicLossScaler.from_config(ZeroConfig(**knobs))
+
+
 def test_backs_off_only_after_hysteresis_overflows():
-    s = DynamicLossScaler(initial_scale=1024, hysteresis=2, backoff_factor=0.5)
+    s = scaler(initial_scale=1024, hysteresis=2, backoff_factor=0.5)
     s.update(overflow=True)
     assert s.scale == 1024
     s.update(overflow=True)
@@ -16,7 +21,7 @@ def test_backs_off_only_after_hysteresis_overflows():
 
 
 def test_grows_after_growth_interval_clean_steps_and_restores_hysteresis():
-    s = DynamicLossScaler(initial_scale=64, growth_interval=3, hysteresis=2)
+    s = scaler(initial_scale=64, growth_interval=3, hysteresis=2)
     s.update(overflow=True)
     s.update(overflow=True)
     assert s.scale == 32
@@ -33,7 +38,7 @@ def test_grows_after_growth_interval_clean_steps_and_restores_hysteresis():
 
 
 def test_scale_is_clamped():
-    s = DynamicLossScaler(initial_scale=4, min_scale=2, max_scale=8, hysteresis=1, growth_interval=1)
+    s = scaler(initial_scale=4, min_scale=2, max_scale=8, hysteresis=1, growth_interval=1)
     for _ in range(3):
         s.update(overflow=True)
     assert s.scale == 2 and s.at_min_scale
@@ -43,10 +48,10 @@ def test_scale_is_clamped():
 
 
 def test_state_round_trip():
-    s = DynamicLossScaler(initial_scale=2.0**16, growth_interval=10)
+    s = scaler(initial_scale=2.0**16, growth_interval=10)
     for overflow in (True, False, False, True, True, False):
         s.update(overflow)
-    t = DynamicLossScaler(initial_scale=2.0**16, growth_interval=10)
+    t = scaler(initial_scale=2.0**16, growth_interval=10)
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
     for overflow in (False,) * 9:

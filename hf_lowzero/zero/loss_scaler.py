@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> scaler = DynamicLossScaler(initial_scale=2.0**16, hysteresis=2)
+    >>> scaler = DynamicLossScaler.from_config(ZeroConfig(initial_scale=2.0**16, hysteresis=2))
     >>> scaler.update(overflow=True); scaler.scale      # first overflow: hysteresis absorbs it
     65536.0
     >>> scaler.update(overflow=True); scaler.scale      # second: back off
@@ -16,19 +16,27 @@ multiply it by ``growth_factor`` (never above ``max_scale``) and restore the hys
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
+from hf_lowzero.config import ZeroConfig
 
-@dataclass
+
+@dataclass(kw_only=True)
 class DynamicLossScaler:
-    initial_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
+    """The policy's parameters; their defaults and validation live in ``ZeroConfig``."""
+
+    initial_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float
+    max_scale: float
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig) -> DynamicLossScaler:
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     def __post_init__(self) -> None:
         self.scale = float(self.initial_scale)

@@ -425,15 +425,7 @@ def _make_scaler(config: ZeroConfig, dtypes: set[torch.dtype]) -> DynamicLossSca
     """fp16 params need dynamic loss scaling; bf16 and fp32 do not."""
     if torch.float16 not in dtypes:
         return ConstantScale()
-    return DynamicLossScaler(
-        initial_scale=config.initial_scale,
-        growth_factor=config.growth_factor,
-        backoff_factor=config.backoff_factor,
-        growth_interval=config.growth_interval,
-        hysteresis=config.hysteresis,
-        min_scale=config.min_scale,
-        max_scale=config.max_scale,
-    )
+    return DynamicLossScaler.from_config(config)
 
 
 def _managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> list[ParamSlot]:
