@@ -39,32 +39,35 @@ from hf_lowzero.trainer.clm import ClmArguments, finetune_clm
 FAILURE_MARKER = ".hf_lowzero_failure_injected"
 
 
+def _opt(default, help: str, **kwargs):
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
 @dataclass(kw_only=True)
 class RayFinetuneConfig:
-    """Everything the Ray job needs; ``ray_jobs/finetune.py`` builds it from its flags."""
+    """Everything the Ray job needs; ``ray_jobs/finetune.py`` turns each field into a flag."""
 
-    num_workers: int = 2
-    """Ray workers (one process per rank); one GPU each with ``use_gpu``."""
-    use_gpu: bool = False
-    """Place one worker per GPU and use NCCL (gloo on CPU otherwise)."""
-    zero_stage: int = 2
-    max_steps: int = 40
-    save_steps: int = 10
-    learning_rate: float = 3e-3
-    per_device_train_batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    bf16: bool = False
-    zero_config: str | None = None
-    """Other ZeroConfig fields as JSON (see LowZeroTrainingArguments.zero_config)."""
-    model_name_or_path: str | None = None
-    train_file: str | None = None
-    storage_path: str = field(default_factory=lambda: str(Path.home() / "ray_results"))
-    name: str = "hf_lowzero_finetune"
-    max_failures: int = 3
-    inject_failure_at_step: int | None = None
-    """Kill one worker process once, at this step, on the first attempt (demos and tests)."""
-    num_to_keep: int = 2
-    seed: int = 0
+    num_workers: int = _opt(2, "Ray workers, one process per rank (one GPU each with --use-gpu)")
+    use_gpu: bool = _opt(False, "place one worker per GPU and use NCCL (gloo on CPU otherwise)")
+    zero_stage: int = _opt(2, "0 = plain Trainer/DDP, 1 = shard optimizer states, 2 = also gradients")
+    max_steps: int = _opt(40, "optimizer steps in total")
+    save_steps: int = _opt(10, "checkpoint (and report to Ray) every N steps")
+    learning_rate: float = _opt(3e-3, "peak learning rate")
+    per_device_train_batch_size: int = _opt(4, "sequences per worker per micro-batch")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    bf16: bool = _opt(False, "bf16 params with fp32 master rows")
+    zero_config: str | None = _opt(None, "other ZeroConfig fields as JSON")
+    model_name_or_path: str | None = _opt(None, "local save_pretrained directory (default: a tiny GPT-2)")
+    train_file: str | None = _opt(None, "plain-text corpus (default: the one shipped with hf_lowzero)")
+    storage_path: str = field(
+        default_factory=lambda: str(Path.home() / "ray_results"),
+        metadata={"help": "where Ray keeps checkpoints: local, shared, or s3://... (default: ~/ray_results)"},
+    )
+    name: str = _opt("hf_lowzero_finetune", "run name; a rerun with the same name and storage resumes it")
+    max_failures: int = _opt(3, "worker-group restarts before giving up")
+    inject_failure_at_step: int | None = _opt(None, "kill one worker process once, at this step (demos, tests)")
+    num_to_keep: int = _opt(2, "checkpoints Ray keeps")
+    seed: int = _opt(0, "seed for model init and data order")
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
