@@ -104,12 +104,23 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> Path
 def _extras(opt: LowLevelZeroOptimizer) -> dict[str, torch.Tensor]:
     """Model state that is not sharded: frozen params and persistent buffers (rank 0 saves them),
     so a consolidated checkpoint is a complete model. Tied duplicates of managed params are skipped."""
-    managed = {slot.param.data_ptr() for slot in opt.slots}
+    managed_ptrs = {slot.param.data_ptr() for slot in opt.slots}
+    managed_names = {slot.name for slot in opt.slots}
     return {
         name: t
         for name, t in opt.model.state_dict(keep_vars=False).items()
-        if t.data_ptr() not in managed and name not in {s.name for s in opt.slots}
+        if t.data_ptr() not in managed_ptrs and name not in managed_names
     }
+
+
+def _master_names(opt: LowLevelZeroOptimizer) -> dict[int, str]:
+    """id(master row) -> parameter name."""
+    return {id(m): s.name for s, m in zip(opt.slots, opt.master_rows)}
+
+
+def _positions(opt: LowLevelZeroOptimizer) -> dict[int, int]:
+    """id(master row) -> its index in torch's optimizer state-dict numbering (groups in order)."""
+    return {id(p): i for i, p in enumerate(p for g in opt.optim.param_groups for p in g["params"])}
 
 
 def _is_row_state(value: Any, slot) -> bool:
@@ -144,7 +155,7 @@ def _metadata(opt: LowLevelZeroOptimizer, sizes: list[int], partial: Path) -> di
             "row_state": sorted(k for k, v in state.items() if _is_row_state(v, slot)),
             "scalar_state": {k: _scalar_to_json(v) for k, v in state.items() if not _is_row_state(v, slot)},
         }
-    names = {id(m): s.name for s, m in zip(opt.slots, opt.master_rows)}
+    names = _master_names(opt)
     groups = [
         {
             "hyperparameters": {k: _scalar_to_json(v) for k, v in g.items() if k != "params"},
@@ -300,7 +311,7 @@ def _check_compatible(opt: LowLevelZeroOptimizer, meta: dict[str, Any], where: P
         raise CheckpointError(
             f"{where}: checkpoint is of a different model: frozen params/buffers missing or of another shape: {bad[:5]}"
         )
-    names = {id(m): s.name for s, m in zip(opt.slots, opt.master_rows)}
+    names = _master_names(opt)
     current_groups = [[names[id(p)] for p in g["params"]] for g in opt.optim.param_groups]
     if current_groups != [g["params"] for g in meta["param_groups"]]:
         raise CheckpointError(
@@ -349,7 +360,7 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
 def _stage(opt: LowLevelZeroOptimizer, reader: _ShardReader, meta: dict[str, Any]):
     """Read everything this rank needs into new tensors; no state of ``opt`` is touched."""
     masters, state = [], {}
-    position = {id(p): i for i, p in enumerate(p for g in opt.optim.param_groups for p in g["params"])}
+    position = _positions(opt)
     for slot, master in zip(opt.slots, opt.master_rows):
         saved = meta["params"][slot.name]
         row = torch.zeros_like(master)
@@ -415,8 +426,8 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:
     by position like ``torch.optim.Optimizer.state_dict()`` and also by ``param_names``, so the
     result loads into a plain torch optimizer built over the same params in the same groups.
     """
-    names = {id(m): s.name for s, m in zip(opt.slots, opt.master_rows)}
-    position = {id(p): i for i, p in enumerate(p for g in opt.optim.param_groups for p in g["params"])}
+    names = _master_names(opt)
+    position = _positions(opt)
     state: dict[int, dict[str, Any]] = {}
     for slot, master in zip(opt.slots, opt.master_rows):
         entry = {}

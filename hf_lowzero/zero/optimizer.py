@@ -314,8 +314,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         For callers that log the norm before ``step()`` (as ``transformers.Trainer`` does); the
         result is cached, so the following ``step()`` does not communicate it again.
         """
-        _, scaled_norm, _ = self._norm_and_usage()
-        return scaled_norm / self.scaler.scale
+        self._norm_and_usage()  # sets last_grad_norm
+        return self.last_grad_norm
 
     def _norm_and_usage(self):
         if self._pending_norm is None:
