@@ -103,8 +103,16 @@ class LowZeroTrainer(Trainer):
                 self.zero_optimizer = inner
             else:
                 self.zero_optimizer = LowLevelZeroOptimizer(self.model, inner, self.args.to_zero_config())
+            self.zero_optimizer.register_step_post_hook(self._record_skip)
             self.optimizer = self.zero_optimizer
         return self.optimizer
+
+    def _record_skip(self, optimizer, args, kwargs) -> None:
+        # Trainer steps the LR schedule unless accelerate's optimizer wrapper (re-made on every
+        # train() call, hence read here) reports an overflow, which accelerate only sets for its
+        # own GradScaler: mirror the ZeRO optimizer's verdict there.
+        if self.optimizer is not optimizer:
+            self.optimizer._is_overflow = not optimizer.last_step_applied
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if not self.zero_enabled or not training:
@@ -112,20 +120,6 @@ class LowZeroTrainer(Trainer):
         if isinstance(model, ZeroTrainingModule):
             return model
         return ZeroTrainingModule(self.model, self.zero_optimizer)
-
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        if self.zero_enabled:
-            # accelerate decides whether the scheduler steps from its wrapper's overflow flag,
-            # which it only sets for its own GradScaler; mirror the ZeRO optimizer's verdict there.
-            wrapper = self.optimizer
-
-            def record_skip(optimizer, args, kwargs) -> None:
-                wrapper._is_overflow = not optimizer.last_step_applied
-
-            if wrapper is not self.zero_optimizer and not getattr(self, "_skip_hook", None):
-                self._skip_hook = self.zero_optimizer.register_step_post_hook(record_skip)
-        return model, train_dataloader
 
     # ----------------------------------------------------------------- norms and logging
 
