@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.spawn import run_distributed  # noqa: E402
+from hf_lowzero.testing import run_distributed  # noqa: E402
 from hf_lowzero.zero.comm import comm_stats  # noqa: E402
 
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from benchmarks.common import RESULTS, gpt2, peak_rss_bytes, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.spawn import run_distributed  # noqa: E402
+from hf_lowzero.testing import run_distributed  # noqa: E402
 from hf_lowzero.zero.memory import tensor_bytes  # noqa: E402
 
 N_LAYER, N_EMBD = 6, 512

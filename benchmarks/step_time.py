@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from benchmarks.common import RESULTS, ManySmall, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.spawn import run_distributed  # noqa: E402
+from hf_lowzero.testing import run_distributed  # noqa: E402
 
 WARMUP, STEPS = 3, 10
 

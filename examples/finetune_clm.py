@@ -12,8 +12,8 @@ The default corpus is ``hf_lowzero/data/zero_notes.txt`` (``--train_file`` for a
 
 from transformers import HfArgumentParser
 
+from hf_lowzero.recipes.clm import ClmArguments, finetune_clm
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
-from hf_lowzero.trainer.clm import ClmArguments, finetune_clm
 
 
 def main() -> None:

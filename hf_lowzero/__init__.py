@@ -6,9 +6,14 @@ Example::
     opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=2)
 """
 
-from hf_lowzero.config import ZeroConfig
-from hf_lowzero.zero import LowLevelZeroOptimizer, MemoryReport
-from hf_lowzero.zero.checkpoint import CheckpointError, consolidate_checkpoint
+from hf_lowzero.checkpoint import (
+    CheckpointError,
+    consolidate_checkpoint,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
+from hf_lowzero.zero import LowLevelZeroOptimizer, MemoryReport, ZeroConfig
 
 __all__ = [
     "CheckpointError",
@@ -18,6 +23,9 @@ __all__ = [
     "MemoryReport",
     "ZeroConfig",
     "consolidate_checkpoint",
+    "full_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from hf_lowzero.config import parse_dtype
-from hf_lowzero.zero.checkpoint import consolidate_checkpoint
+from hf_lowzero.checkpoint import consolidate_checkpoint
+from hf_lowzero.zero.config import parse_dtype
 
 
 def write_pretrained_weights(ckpt: str | Path, out: str | Path, dtype=None) -> Path:

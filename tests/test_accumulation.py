@@ -13,8 +13,8 @@ import torch
 from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
+from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.comm import comm_stats
-from tests.distributed import run_distributed
 from tests.models import BranchyNet, assert_params_equal, batch, ddp_reference, make_inner
 
 MICRO = 3

@@ -16,8 +16,15 @@ from torch import nn
 from torch.multiprocessing import ProcessExitedException
 from torch.nn.functional import mse_loss
 
-from hf_lowzero import CheckpointError, LowLevelZeroOptimizer, consolidate_checkpoint
-from tests.distributed import run_distributed
+from hf_lowzero import (
+    CheckpointError,
+    LowLevelZeroOptimizer,
+    consolidate_checkpoint,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
+from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, assert_params_equal, ddp_reference, make_inner
 
 GLOBAL_BATCH = 12  # divisible by every world size we use, so each step sees the same global batch
@@ -69,7 +76,7 @@ def save_then_continue(rank, world_size, tmp):
         model, opt = build(stage, dtype)
         overflow_once(model, rank)
         train(model, opt, rank, world_size, range(BEFORE), dtype)
-        opt.save_checkpoint(f"{tmp}/ckpt-{tag}")
+        save_checkpoint(opt, f"{tmp}/ckpt-{tag}")
         saved = counters(opt)
         train(model, opt, rank, world_size, range(BEFORE, BEFORE + AFTER), dtype)
         if rank == 0:
@@ -82,7 +89,7 @@ def load_then_continue(rank, world_size, tmp):
     for stage, dtype in COMBOS:
         tag = f"{stage}-{dtype}"
         model, opt = build(stage, dtype, seed=7)  # different init: everything must come from the checkpoint
-        opt.load_checkpoint(f"{tmp}/ckpt-{tag}")
+        load_checkpoint(opt, f"{tmp}/ckpt-{tag}")
         saved = consolidate_checkpoint(f"{tmp}/ckpt-{tag}")
         for name, p in model.named_parameters():
             assert torch.equal(p, saved[name].to(dtype)), f"{tag} {name}: params must equal the saved masters"
@@ -125,9 +132,12 @@ def assert_unchanged(before, model, opt):
     params, state = before
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     now = opt.state_dict()
-    assert now["loss_scaler"] == state["loss_scaler"] and now["skipped_steps"] == state["skipped_steps"]
-    for k, v in state["inner"]["state"].items():
-        assert all(torch.equal(v[key], now["inner"]["state"][k][key]) for key in v)
+    assert now["zero"]["loss_scaler"] == state["zero"]["loss_scaler"]
+    assert now["zero"]["skipped_steps"] == state["zero"]["skipped_steps"]
+    for k, v in state["zero"]["master_rows"].items():
+        assert torch.equal(v, now["zero"]["master_rows"][k])
+    for k, v in state["state"].items():
+        assert all(torch.equal(v[key], now["state"][k][key]) for key in v)
 
 
 def corrupt(src, dst, how):
@@ -164,7 +174,7 @@ BAD = {
 def bad_checkpoint_body(rank, world_size, tmp):
     model, opt = build(2, torch.float32)
     train(model, opt, rank, world_size, range(2), torch.float32)
-    good = opt.save_checkpoint(f"{tmp}/good")
+    good = save_checkpoint(opt, f"{tmp}/good")
     if rank == 0:
         for how in BAD:
             corrupt(good, f"{tmp}/{how}", how)
@@ -173,15 +183,15 @@ def bad_checkpoint_body(rank, world_size, tmp):
     for how, message in BAD.items():
         before = snapshot(model, opt)
         with pytest.raises(CheckpointError, match=message):  # on every rank, also those that read no rank-1 file
-            opt.load_checkpoint(f"{tmp}/{how}")
+            load_checkpoint(opt, f"{tmp}/{how}")
         assert_unchanged(before, model, opt)
     for other, message in [(WiderHead(), "shapes differ"), (nn.Linear(17, 3), "different model")]:
         other_opt = LowLevelZeroOptimizer(other, make_inner("adamw", other), stage=2)
         before = snapshot(other, other_opt)
         with pytest.raises(CheckpointError, match=message):
-            other_opt.load_checkpoint(good)
+            load_checkpoint(other_opt, good)
         assert_unchanged(before, other, other_opt)
-    opt.load_checkpoint(good)  # the good one still loads after all that
+    load_checkpoint(opt, good)  # the good one still loads after all that
 
 
 def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(tmp_path):
@@ -191,13 +201,13 @@ def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(tmp_path):
 def crash_during_save_body(rank, world_size, tmp):
     model, opt = build(1, torch.float32)
     train(model, opt, rank, world_size, range(2), torch.float32)
-    opt.save_checkpoint(f"{tmp}/ckpt")
+    save_checkpoint(opt, f"{tmp}/ckpt")
     if rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{tmp}/saved.pt")
     train(model, opt, rank, world_size, range(2, 3), torch.float32)
     if rank == 1:
         os.environ["HF_LOWZERO_CRASH_POINT"] = "after_rank_files"  # dies mid-save, as a killed worker would
-    opt.save_checkpoint(f"{tmp}/ckpt")
+    save_checkpoint(opt, f"{tmp}/ckpt")
 
 
 def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
@@ -223,8 +233,8 @@ def export_body(rank, world_size, tmp):
         mse_loss(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = opt.full_state_dict()
-    opt.save_checkpoint(f"{tmp}/ckpt")
+    full = full_state_dict(opt)
+    save_checkpoint(opt, f"{tmp}/ckpt")
     if rank != 0:
         assert full is None
         return

@@ -4,7 +4,7 @@ import pytest
 from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
-from tests.distributed import run_distributed
+from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, batch, make_inner
 
 

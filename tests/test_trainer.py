@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback, TrainingArguments
 
 from hf_lowzero import LowZeroTrainer, LowZeroTrainingArguments, consolidate_checkpoint
+from hf_lowzero.testing import run_distributed
 from hf_lowzero.trainer import ZeroTrainingModule
 from hf_lowzero.zero.comm import comm_stats
-from tests.distributed import run_distributed
 from tests.hf_models import TokenDataset, tiny_bert, tiny_gpt2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -33,8 +32,10 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchTrainer
 from transformers import TrainerCallback
 
+from hf_lowzero.checkpoint.layout import owner_rank
+from hf_lowzero.recipes.clm import ClmArguments, finetune_clm
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
-from hf_lowzero.trainer.clm import ClmArguments, finetune_clm
+from hf_lowzero.zero.config import check_stage
 
 FAILURE_MARKER = ".hf_lowzero_failure_injected"
 
@@ -72,8 +73,7 @@ class RayFinetuneConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers={self.num_workers} is invalid; expected at least 1")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={self.zero_stage} is invalid; expected 0, 1 or 2")
+        check_stage(self.zero_stage, "zero_stage", allow_off=True)
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
         if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step <= self.max_steps:
@@ -167,17 +167,12 @@ class ReportShardedCheckpoints(TrainerCallback):
         ray.train.report({**self._last_logs, "step": state.global_step, "done": True})
 
 
-_RANK_OWNED = re.compile(r"(zero_shard_rank(\d+)_of_\d+\.safetensors|rng_state_(\d+)\.pth)$")
-
-
 def _stage_owned_files(source: Path, target: Path, rank: int, world: int) -> None:
     """Hard-link (or copy) into ``target`` the files of ``source`` that ``rank`` reports."""
     for path in source.rglob("*"):
         if not path.is_file():
             continue
-        match = _RANK_OWNED.search(path.name)
-        owner = int(match.group(2) or match.group(3)) if match else 0
-        if owner != rank:
+        if owner_rank(path) != rank:
             continue
         dest = target / path.relative_to(source)
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import TrainingArguments
 
-from hf_lowzero.config import ZeroConfig
+from hf_lowzero.zero.config import ZeroConfig, check_stage
 
 
 @dataclass
@@ -53,11 +53,7 @@ class LowZeroTrainingArguments(TrainingArguments):
             # every rank would then see all the data and log as process 0.
             self.use_cpu = True
         super().__post_init__()
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(
-                f"zero_stage={self.zero_stage!r} is invalid; expected 0 (off), 1 (shard optimizer states) "
-                "or 2 (also shard gradients)"
-            )
+        check_stage(self.zero_stage, "zero_stage", allow_off=True)
         if self.zero_stage:
             self.to_zero_config()  # validate every knob now, not at the first step
 

@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 
-from hf_lowzero.config import parse_dtype
+from hf_lowzero.checkpoint import load_checkpoint, save_checkpoint
+from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+from hf_lowzero.zero.config import parse_dtype
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 
-ZERO_CHECKPOINT_DIR = "zero_optimizer"
 SCHEDULER_NAME = "scheduler.pt"
 
 
@@ -144,7 +145,7 @@ class LowZeroTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.zero_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.zero_optimizer.save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR))  # every rank
+        save_checkpoint(self.zero_optimizer, os.path.join(output_dir, TRAINER_SUBDIR))  # every rank
         if self.args.should_save:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch's "please also save optimizer" note
@@ -153,7 +154,7 @@ class LowZeroTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.zero_enabled or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        self.zero_optimizer.load_checkpoint(os.path.join(checkpoint, ZERO_CHECKPOINT_DIR))
+        load_checkpoint(self.zero_optimizer, os.path.join(checkpoint, TRAINER_SUBDIR))
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler_file):
             with warnings.catch_warnings():

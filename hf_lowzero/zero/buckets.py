@@ -25,26 +25,7 @@ from enum import Enum, auto
 
 import torch
 
-from hf_lowzero.zero.partition import ParamShard
-
-
-@dataclass(eq=False)
-class ParamSlot:
-    """One managed parameter: where its shard sits in its bucket and in the owned-rows space."""
-
-    index: int  # position in the optimizer's list of managed params
-    name: str
-    param: torch.nn.Parameter
-    shard: ParamShard
-    bucket_index: int = -1
-    bucket_offset: int = -1  # start of this param's shard inside a bucket row
-    row_offset: int = -1  # start of this param's shard in the owned-rows space
-
-    def rows(self, flat_bucket: torch.Tensor, row_numel: int) -> torch.Tensor:
-        """This param's ``[W, shard_numel]`` strided view of a flat rank-major bucket buffer."""
-        return flat_bucket.view(self.shard.world_size, row_numel)[
-            :, self.bucket_offset : self.bucket_offset + self.shard.shard_numel
-        ]
+from hf_lowzero.zero.params import ParamSlot
 
 
 class BucketState(Enum):
@@ -152,6 +133,21 @@ class PlanOrderLauncher:
     def wait_all(self) -> None:
         while self.in_flight:
             self._finish_oldest()
+
+    @property
+    def mid_backward(self) -> bool:
+        """Some bucket of the current backward is ready or launched but the flush has not run."""
+        return self.next_bucket > 0 or any(bucket.ready for bucket in self.buckets)
+
+    def reset(self) -> None:
+        """Forget a backward that never finished (it raised): wait for the collectives it started,
+        so that no buffer is reused while a peer still writes to it, and return every bucket to
+        WAITING. The caller discards the gradients (see [Note: failed backward])."""
+        self.wait_all()
+        self.next_bucket = 0
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.state = BucketState.WAITING
 
     def _launch_next(self) -> None:
         bucket = self.buckets[self.next_bucket]

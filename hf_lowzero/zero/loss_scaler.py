@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hf_lowzero.config import ZeroConfig
+import torch
+
+from hf_lowzero.zero.config import ZeroConfig
 
 
 @dataclass(kw_only=True)
@@ -61,7 +63,12 @@ class DynamicLossScaler:
             self.scale = min(self.scale * self.growth_factor, self.max_scale)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left}
+        return {
+            "kind": "dynamic",
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
@@ -79,7 +86,14 @@ class ConstantScale:
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": 1.0}
+        return {"kind": "constant", "scale": 1.0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def make_scaler(config: ZeroConfig, dtypes: set[torch.dtype]) -> DynamicLossScaler | ConstantScale:
+    """fp16 params need dynamic loss scaling; bf16 and fp32 do not."""
+    if torch.float16 not in dtypes:
+        return ConstantScale()
+    return DynamicLossScaler.from_config(config)

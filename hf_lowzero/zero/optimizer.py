@@ -9,11 +9,11 @@ Example::
         opt.step()
         opt.zero_grad()
 
-Lifecycle of one step (DESIGN.md section 3):
+Lifecycle of one step (docs/architecture.md, "The data path of one step"):
 
 1. backward: a post-accumulate-grad hook marks each param ready; complete buckets are launched in
    plan order (see [Note: bucket order]); at the end of backward the rest are launched with zeros
-   for missing gradients, and every collective is waited for.
+   for missing gradients, and every collective is waited for (``backward.py``).
 2. step: one all-reduce of ``[sum of squared grad rows, per-param used flags]`` gives the global
    norm and which params were used on any rank. A non-finite norm means some rank overflowed:
    every rank sees the same sum, so every rank skips the same step. Otherwise masked params get
@@ -21,32 +21,35 @@ Lifecycle of one step (DESIGN.md section 3):
    multiply, the inner optimizer updates the fp32 master rows, and the updated rows are
    all-gathered (bucketed, in the params' dtype) back into the model's params.
 
-Mixed precision: cast the model to fp16/bf16 *before* wrapping; master rows are always fp32 and
-only the owner holds them. fp16 gets dynamic loss scaling (``opt.backward`` scales); bf16/fp32
-are not scaled but non-finite steps are still skipped and counted (``skipped_steps``).
+# [Note: two sets of param groups]
+# ``self.param_groups`` is what torch.optim code sees: the model's own parameters, in the groups
+# and order the inner optimizer was built with, with their hyperparameters. The inner optimizer
+# keeps the same groups over this rank's fp32 master rows. Hyperparameters flow one way, outer to
+# inner, before every step, so LR schedulers, Trainer.get_optimizer_group and user code that edit
+# ``opt.param_groups`` behave as without ZeRO.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hf_lowzero.config import ZeroConfig
-from hf_lowzero.zero import checkpoint, comm
-from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
+from hf_lowzero.zero import comm
+from hf_lowzero.zero.backward import MAX_IN_FLIGHT, BackwardSync
+from hf_lowzero.zero.buckets import plan_buckets
+from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.inner import check_inner_optimizer
-from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
+from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.memory import MemoryReport, tensor_bytes
-from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.stages import MASTER_DTYPE, AllReduceGrads, ReduceScatterGrads
+from hf_lowzero.zero.params import ParamSlot, check_unchanged, managed_slots
+from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
+from hf_lowzero.zero.stages import MASTER_DTYPE, make_grad_sync
 
 _HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -56,15 +59,14 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
-_MAX_IN_FLIGHT = 2  # buckets reducing or gathering at once; bounds transient buffer memory
 
 
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
     """Shards ``optimizer``'s state (stage 1) and gradients (stage 2) of ``model`` over ranks.
 
     ``optimizer`` must be a fresh element-wise torch optimizer over ``model``'s trainable params.
-    Its ``param_groups`` keep their number, order and hyperparameters but hold this rank's fp32
-    master rows; ``self.param_groups`` *is* that list, so LR schedulers work unchanged.
+    ``param_groups`` hold the model's params (see [Note: two sets of param groups]);
+    ``state_dict()`` is torch's format for this rank's shard (see ``shard_state.py``).
 
     Gradients live in the optimizer's buckets and rows, not in ``p.grad``: after a synchronized
     backward every managed ``p.grad`` is None. ``step()`` consumes and clears them.
@@ -82,48 +84,42 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         check_inner_optimizer(optimizer, self.config.allow_untested_optimizer)
         self.optim = optimizer
         self.model = model
-        self.group = self.config.process_group
-        self.world_size = comm.group_size(self.group)
-        self.rank = comm.group_rank(self.group)
+        self.process_group = self.config.process_group
+        self.world_size = comm.group_size(self.process_group)
+        self.rank = comm.group_rank(self.process_group)
 
-        self.slots = _managed_slots(model, optimizer, self.world_size)
+        self.slots = managed_slots(model, optimizer, self.world_size)
         self.buckets = plan_buckets(self.slots, self.config.reduce_bucket_bytes, self.config.communication_dtype)
-        device = self.slots[0].param.device
-        total_row_numel = sum(b.row_numel for b in self.buckets)
-        sync_args = (self.buckets, self.group, self.rank, self.world_size, self.config.communication_dtype)
-        if self.config.stage == 1:
-            self.grad_sync = AllReduceGrads(*sync_args)
-        else:
-            self.grad_sync = ReduceScatterGrads(*sync_args, total_row_numel=total_row_numel, device=device)
-        self._launcher = PlanOrderLauncher(
-            self.buckets, self.grad_sync.launch, self.grad_sync.finish, max_in_flight=_MAX_IN_FLIGHT
-        )
+        self.grad_sync = make_grad_sync(self.config, self.buckets, self.rank, self.world_size)
 
         # 1D fp32, the owned-rows space (bucket after bucket); one view per param below.
-        self.flat_master_rows = torch.zeros(total_row_numel, dtype=MASTER_DTYPE, device=device)
+        device = self.slots[0].param.device
+        self.flat_master_rows = torch.zeros(sum(b.row_numel for b in self.buckets), dtype=MASTER_DTYPE, device=device)
         self.master_rows = [self._row_view(self.flat_master_rows, slot) for slot in self.slots]
         self._init_master_rows()
+
         slot_of = {id(slot.param): slot for slot in self.slots}
+        self.param_groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
+        self._slot_at = [slot_of[id(p)] for group in self.param_groups for p in group["params"]]  # by position
         for group in optimizer.param_groups:
             group["params"] = [self.master_rows[slot_of[id(p)].index] for p in group["params"]]
 
-        self._locally_used = [False] * len(self.slots)  # got a gradient on this rank since the last step
-        self._sync_enabled = True
-        self._unsynced_local_grads = False  # stage 1: a no_sync backward left grads in p.grad
-        self._end_of_backward_queued = False
-        self._sync_count = 0
+        self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
-        self._pending_norm = None  # (grad rows, scaled norm, used flags) once computed for this step
-        self.scaler = _make_scaler(self.config, {slot.param.dtype for slot in self.slots})
-        self.skipped_steps = 0
-        self._consecutive_skips = 0
-        self._hook_handles = [
-            slot.param.register_post_accumulate_grad_hook(self._make_hook(slot)) for slot in self.slots
-        ]
+        self._pending_norm = None  # (grad_version, grad rows, scaled norm, used flags) of this step
+        self._sync = BackwardSync(
+            self.slots,
+            self.buckets,
+            self.grad_sync,
+            self.config.overlap_communication,
+            guard=lambda: check_unchanged(self.slots),
+        )
 
-        # Not Optimizer.__init__: it would build param groups of its own. We share the inner
-        # optimizer's groups and state instead, and set up the hook tables Optimizer expects.
+        # Not Optimizer.__init__: it would build param groups and state of its own. The hook
+        # tables are what Optimizer's step/state_dict wrappers and LR schedulers expect.
         self.defaults = optimizer.defaults
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
@@ -132,20 +128,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- torch.optim.Optimizer API
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optim.state = value
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """The inner optimizer's state of this rank's rows, keyed by the model's params (read view)."""
+        inner = self.optim.state
+        return {s.param: inner[self.master_rows[s.index]] for s in self._slot_at if self.master_rows[s.index] in inner}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
@@ -154,49 +140,94 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: inner optimizer state plus loss-scaler state (local, no communication)."""
-        return {
-            "inner": self.optim.state_dict(),
+        """This rank's shard in torch's format, plus fp32 master rows, loss scaler and counters
+        (``shard_state.py``). Local and cheap: no communication, no copies."""
+        inner = self.optim.state
+        state = {}
+        for pos, slot in enumerate(self._slot_at):
+            entry = inner.get(self.master_rows[slot.index])
+            if entry:
+                state[pos] = dict(entry)
+        groups, pos = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            names = [s.name for s in self._slot_at[pos : pos + n]]
+            groups.append(dict(group, params=list(range(pos, pos + n)), param_names=names))
+            pos += n
+        zero = {
+            "format_version": SHARD_FORMAT_VERSION,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "stage": self.config.stage,
+            "numels": [s.shard.numel for s in self._slot_at],
+            "master_rows": {pos: self.master_rows[s.index] for pos, s in enumerate(self._slot_at)},
             "loss_scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self._consecutive_skips,
+            "consecutive_skips": self.consecutive_skips,
         }
+        return {"state": state, "param_groups": groups, SECTION: zero}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict produced by :meth:`state_dict` on the same rank and world size."""
-        if not isinstance(state_dict, dict) or "inner" not in state_dict or "loss_scaler" not in state_dict:
-            raise ValueError(
-                "not a LowLevelZeroOptimizer state dict (expected keys 'inner' and 'loss_scaler'); "
-                "use load_checkpoint() for sharded checkpoints saved at another world size"
+        """Restore this rank's shard from :meth:`state_dict` of the same rank and world size.
+
+        Validated before anything changes. Local: the model's params are not touched (restore
+        them as with any torch optimizer, or call :meth:`copy_master_to_params`).
+        """
+        own = self.state_dict()[SECTION]
+        error = state_dict_error(state_dict, own | {"group_sizes": [len(g["params"]) for g in self.param_groups]})
+        if error is None and state_dict[SECTION]["loss_scaler"].get("kind") != own["loss_scaler"]["kind"]:
+            error = (
+                f"loss scaler {state_dict[SECTION]['loss_scaler'].get('kind')!r} saved, this optimizer uses "
+                f"{own['loss_scaler']['kind']!r}: the params' dtype differs from the saved run's"
             )
-        self.optim.load_state_dict(state_dict["inner"])
-        self.scaler.load_state_dict(state_dict["loss_scaler"])
-        self.skipped_steps = int(state_dict["skipped_steps"])
-        self._consecutive_skips = int(state_dict["consecutive_skips"])
+        if error is not None:
+            raise ValueError(f"LowLevelZeroOptimizer.load_state_dict: {error}")
+        zero = state_dict[SECTION]
+        with torch.no_grad():
+            for pos, slot in enumerate(self._slot_at):
+                self.master_rows[slot.index].copy_(zero["master_rows"][pos])
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in state_dict["param_groups"]]
+        self.optim.load_state_dict(
+            {
+                "state": state_dict["state"],
+                "param_groups": [dict(h, params=g["params"]) for h, g in zip(hyper, state_dict["param_groups"])],
+            }
+        )
+        for group, h in zip(self.param_groups, hyper):
+            group.update(h)
+        self.scaler.load_state_dict(zero["loss_scaler"])
+        self.skipped_steps = int(zero["skipped_steps"])
+        self.consecutive_skips = int(zero["consecutive_skips"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows."""
+        """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows;
+        also a backward that raised midway ([Note: failed backward])."""
+        self._sync.reset()
         for slot in self.slots:
             slot.param.grad = None
         self.grad_sync.clear()
-        self._locally_used = [False] * len(self.slots)
-        self._unsynced_local_grads = False
         self._pending_norm = None
 
-    # -------------------------------------------------------------------------- checkpoints
+    @torch.no_grad()
+    def copy_master_to_params(self) -> None:
+        """Write the fp32 master rows back into the model's params (all-gather, bucketed, in the
+        params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it."""
+        in_flight: list[tuple] = []
 
-    def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write this optimizer's sharded state to directory ``path``, atomically. Collective."""
-        return checkpoint.save_checkpoint(self, path)
+        def finish(bucket, out, work) -> None:
+            comm.wait(work)
+            for slot in bucket.slots:
+                slot.shard.gather_from(slot.rows(out, bucket.row_numel), slot.param.view(-1))
 
-    def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Load a checkpoint saved at any world size (validated first; collective) and copy the
-        loaded master weights into the model's params."""
-        return checkpoint.load_checkpoint(self, path)
-
-    def full_state_dict(self) -> dict[str, Any] | None:
-        """The full (unsharded) inner-optimizer state in torch's format on rank 0. Collective."""
-        return checkpoint.full_state_dict(self)
+        for bucket in self.buckets:
+            rows = self.flat_master_rows[bucket.row_offset : bucket.row_offset + bucket.row_numel]
+            out = torch.empty(self.world_size * bucket.row_numel, dtype=bucket.dtype, device=bucket.device)
+            work = comm.all_gather(out, rows.to(bucket.dtype), self.process_group, async_op=True)
+            in_flight.append((bucket, out, work))
+            if len(in_flight) >= MAX_IN_FLIGHT:
+                finish(*in_flight.pop(0))
+        for item in in_flight:
+            finish(*item)
 
     # ----------------------------------------------------------------------------- backward
 
@@ -205,14 +236,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         Also synchronizes on a rank where no parameter got a gradient, so no peer waits forever.
         """
-        syncs_before = self._sync_count
+        self._sync.check_finished("run backward")
+        check_unchanged(self.slots)
+        flushes_before = self._sync.completed_flushes
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
         loss.backward(**backward_kwargs)
-        if self._sync_enabled and self._sync_count == syncs_before:
+        if self._sync.enabled and self._sync.completed_flushes == flushes_before:
             # No hook fired on this rank, so no end-of-backward callback was queued; the other
             # ranks still launch every bucket, so this rank must too.
-            self._synchronize()
+            self._sync.flush()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -227,48 +260,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 "would undo stage 2's memory savings). Call backward() for every micro-batch "
                 "without no_sync(), or use stage=1."
             )
-        previous = self._sync_enabled
-        self._sync_enabled = False
+        previous = self._sync.enabled
+        self._sync.enabled = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
-
-    def _make_hook(self, slot: ParamSlot):
-        def hook(_param: torch.Tensor) -> None:
-            self._on_grad_ready(slot)
-
-        return hook
-
-    def _on_grad_ready(self, slot: ParamSlot) -> None:
-        self._pending_norm = None  # new gradients: a norm computed earlier is stale
-        self._locally_used[slot.index] = True
-        if not self._sync_enabled:
-            self._unsynced_local_grads = True
-            return
-        bucket = self.buckets[slot.bucket_index]
-        if bucket.state is not BucketState.WAITING:
-            raise RuntimeError(
-                f"gradient of {slot.name!r} arrived after its bucket was already reduced in this "
-                "backward (a parameter reached twice through reentrant autograd?). Use "
-                "non-reentrant activation checkpointing (use_reentrant=False)."
-            )
-        if not self._end_of_backward_queued:
-            self._end_of_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._launcher.mark_ready(slot)
-        if self.config.overlap_communication:
-            self._launcher.launch_ready()
-
-    def _end_of_backward(self) -> None:
-        self._end_of_backward_queued = False
-        self._synchronize()
-
-    def _synchronize(self) -> None:
-        """Launch every bucket not yet launched in this backward, in plan order, and wait."""
-        self._launcher.launch_all(self.config.overlap_communication)
-        self._unsynced_local_grads = False
-        self._sync_count += 1
+            self._sync.enabled = previous
 
     # --------------------------------------------------------------------------------- step
 
@@ -282,8 +279,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
+        self._sync.check_finished("step")
+        check_unchanged(self.slots)
+        self._check_groups()
         grad_rows, scaled_norm, used = self._norm_and_usage()
-        self._pending_norm = None
         if not math.isfinite(scaled_norm):
             self.last_step_applied = self._skip_step()
             return False
@@ -298,12 +297,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             for slot in bucket.slots:
                 applied = used[slot.index] and rows is not None
                 self.master_rows[slot.index].grad = self._row_view(rows, slot, bucket.row_offset) if applied else None
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            inner.update((k, v) for k, v in outer.items() if k not in ("params", "param_names"))
         self.optim.step()
         for master in self.master_rows:
             master.grad = None
-        self._gather_params()
+        self.copy_master_to_params()
         self.scaler.update(overflow=False)
-        self._consecutive_skips = 0
+        self.consecutive_skips = 0
         self.zero_grad()
         self.last_step_applied = True
         return True
@@ -314,18 +315,27 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         For callers that log the norm before ``step()`` (as ``transformers.Trainer`` does); the
         result is cached, so the following ``step()`` does not communicate it again.
         """
+        self._sync.check_finished("compute the gradient norm")
         self._norm_and_usage()  # sets last_grad_norm
         return self.last_grad_norm
 
+    def _check_groups(self) -> None:
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if sizes != [len(g["params"]) for g in self.optim.param_groups]:
+            raise RuntimeError(
+                f"opt.param_groups changed shape after wrapping (group sizes now {sizes}); the sharded "
+                "optimizer's params are fixed at construction: edit hyperparameters only"
+            )
+
     def _norm_and_usage(self):
-        if self._pending_norm is None:
-            if self._unsynced_local_grads:
-                self._synchronize()  # stage 1: every backward of this step ran under no_sync()
+        if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
+            if self._sync.unsynced_local_grads:
+                self._sync.flush()  # stage 1: every backward of this step ran under no_sync()
             grad_rows = [self.grad_sync.grad_rows(bucket) for bucket in self.buckets]
             scaled_norm, used = self._global_norm_and_usage(grad_rows)
             self.last_grad_norm = scaled_norm / self.scaler.scale
-            self._pending_norm = (grad_rows, scaled_norm, used)
-        return self._pending_norm
+            self._pending_norm = (self._sync.grad_version, grad_rows, scaled_norm, used)
+        return self._pending_norm[1:]
 
     def _global_norm_and_usage(self, grad_rows: list[torch.Tensor | None]) -> tuple[float, list[bool]]:
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
@@ -335,8 +345,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         for rows in grad_rows:
             if rows is not None:
                 stats[0] += rows.square().sum()
-        stats[1:] = torch.tensor(self._locally_used, dtype=MASTER_DTYPE)
-        comm.all_reduce(stats, self.group)
+        stats[1:] = torch.tensor(self._sync.locally_used, dtype=MASTER_DTYPE)
+        comm.all_reduce(stats, self.process_group)
         stats = stats.cpu()
         return math.sqrt(stats[0].item()), (stats[1:] > 0).tolist()
 
@@ -345,7 +355,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         when training can make no progress."""
         was_at_min_scale = self.scaler.at_min_scale
         self.skipped_steps += 1
-        self._consecutive_skips += 1
+        self.consecutive_skips += 1
         self.scaler.update(overflow=True)
         self.zero_grad()
         if was_at_min_scale:
@@ -354,9 +364,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 f"{self.skipped_steps} steps skipped so far. The model itself produces inf/nan: lower "
                 "the learning rate, enable clip_grad_norm, check the data, or train in bf16/fp32."
             )
-        if self._consecutive_skips >= self.config.max_consecutive_skips:
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
             raise RuntimeError(
-                f"{self._consecutive_skips} consecutive steps were skipped because gradients were not "
+                f"{self.consecutive_skips} consecutive steps were skipped because gradients were not "
                 f"finite (loss scale now {self.scaler.scale}); training is making no progress. Lower "
                 "the learning rate, enable clip_grad_norm, check the data for inf/nan, or raise "
                 "ZeroConfig.max_consecutive_skips if this is expected."
@@ -367,26 +377,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         """The current loss scale (1.0 unless the params are fp16)."""
         return self.scaler.scale
-
-    @torch.no_grad()
-    def _gather_params(self) -> None:
-        """All-gather the updated master rows back into the model's params, bucket by bucket."""
-        in_flight: list[tuple] = []
-
-        def finish(bucket, out, work) -> None:
-            comm.wait(work)
-            for slot in bucket.slots:
-                slot.shard.gather_from(slot.rows(out, bucket.row_numel), slot.param.view(-1))
-
-        for bucket in self.buckets:
-            rows = self.flat_master_rows[bucket.row_offset : bucket.row_offset + bucket.row_numel]
-            out = torch.empty(self.world_size * bucket.row_numel, dtype=bucket.dtype, device=bucket.device)
-            work = comm.all_gather(out, rows.to(bucket.dtype), self.group, async_op=True)
-            in_flight.append((bucket, out, work))
-            if len(in_flight) >= _MAX_IN_FLIGHT:
-                finish(*in_flight.pop(0))
-        for item in in_flight:
-            finish(*item)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -419,49 +409,3 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             ),
             buffers=tensor_bytes(self.model.buffers()),
         )
-
-
-def _make_scaler(config: ZeroConfig, dtypes: set[torch.dtype]) -> DynamicLossScaler | ConstantScale:
-    """fp16 params need dynamic loss scaling; bf16 and fp32 do not."""
-    if torch.float16 not in dtypes:
-        return ConstantScale()
-    return DynamicLossScaler.from_config(config)
-
-
-def _managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> list[ParamSlot]:
-    """Validate that ``optimizer`` holds exactly ``model``'s trainable params; one slot each."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    in_optimizer: set[int] = set()
-    for i, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    f"optimizer param group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "parameter of the model; build the inner optimizer from model.parameters() (or "
-                    "groups of them) of the same model you pass to LowLevelZeroOptimizer."
-                )
-            if not p.requires_grad:
-                raise ValueError(
-                    f"parameter {names[id(p)]!r} is in the optimizer but has requires_grad=False; "
-                    "leave frozen parameters out of the optimizer."
-                )
-            in_optimizer.add(id(p))
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    missing = [n for n, p in trainable if id(p) not in in_optimizer]
-    if missing:
-        raise ValueError(
-            f"model parameters {missing[:5]}{'...' if len(missing) > 5 else ''} require grad but are "
-            "not in the optimizer; add them to a param group or set requires_grad=False."
-        )
-    if not trainable:
-        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
-    devices = {p.device for _, p in trainable}
-    if len(devices) > 1:
-        raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
-    for n, p in trainable:
-        if not p.is_floating_point() or not p.is_contiguous():
-            raise ValueError(f"parameter {n!r} must be a contiguous floating-point tensor (got {p.dtype})")
-    return [
-        ParamSlot(index=i, name=n, param=p, shard=ParamShard(p.numel(), world_size))
-        for i, (n, p) in enumerate(trainable)
-    ]

@@ -145,3 +145,12 @@ class ReduceScatterGrads(GradientSync):
 
     def buffer_bytes(self) -> int:
         return self.flat_grad_rows.nbytes + self._in_flight_bytes
+
+
+def make_grad_sync(config, buckets: list[Bucket], rank: int, world_size: int) -> GradientSync:
+    """The stage policy of ``config.stage`` over ``buckets``."""
+    args = (buckets, config.process_group, rank, world_size, config.communication_dtype)
+    if config.stage == 1:
+        return AllReduceGrads(*args)
+    device = buckets[0].device
+    return ReduceScatterGrads(*args, total_row_numel=sum(b.row_numel for b in buckets), device=device)

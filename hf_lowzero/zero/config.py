@@ -42,9 +42,23 @@ def parse_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
     )
 
 
+def check_stage(value: object, field_name: str, allow_off: bool = False) -> int:
+    """The one validation of a ZeRO stage: 1 or 2, or also 0 (off) where ``allow_off``.
+
+    Used by ``ZeroConfig.stage``, the Trainer's ``zero_stage`` and the Ray job's ``--zero-stage``.
+    """
+    allowed = (0, 1, 2) if allow_off else (1, 2)
+    if isinstance(value, bool) or value not in allowed:
+        expected = "0 (off: plain DDP), 1 (shard optimizer states) or 2 (also shard gradients)"
+        if not allow_off:
+            expected = "1 (shard optimizer states) or 2 (also shard gradients); without ZeRO, use no ZeroConfig"
+        raise ValueError(f"{field_name}={value!r} is invalid; expected {expected}")
+    return int(value)
+
+
 @dataclass(kw_only=True)
 class ZeroConfig:
-    """Configuration of :class:`hf_lowzero.LowLevelZeroOptimizer` (see DESIGN.md section 3)."""
+    """Configuration of :class:`hf_lowzero.LowLevelZeroOptimizer` (see docs/architecture.md)."""
 
     stage: int = 2
     """1: shard optimizer state (gradients all-reduced, kept whole until ``step``).
@@ -99,8 +113,7 @@ class ZeroConfig:
     """Raise instead of skipping more than this many steps in a row (non-finite gradients)."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
-            raise ValueError(f"ZeroConfig.stage={self.stage!r} is invalid; expected 1 or 2 (use no ZeRO for stage 0)")
+        check_stage(self.stage, "ZeroConfig.stage")
         bucket = self.reduce_bucket_mb
         if (
             isinstance(bucket, bool)

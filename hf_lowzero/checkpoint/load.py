@@ -1,0 +1,131 @@
+"""Load a sharded checkpoint saved at any world size into an optimizer at the current one.
+
+Example::
+
+    load_checkpoint(opt, "ckpt/step-100")   # collective; params end up equal to the saved masters
+
+Loading at world size W' reads, on each rank, only the slices of the saved rank files that
+overlap its new rows, builds this rank's shard as a state dict (``shard_state.py``), hands it to
+``opt.load_state_dict`` and writes the master rows back into the params.
+
+# [Note: validate, agree, then mutate]
+# Loading reads and checks everything this rank needs into fresh tensors first; the ranks then
+# exchange their verdicts so that all raise together (a rank that raised alone would leave its
+# peers waiting in the next collective). Only when every rank succeeded is any state changed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE
+from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
+from hf_lowzero.checkpoint.shards import CheckpointError, ShardView, model_extras, scalar_from_json
+from hf_lowzero.zero import comm
+from hf_lowzero.zero.shard_state import SECTION
+
+if TYPE_CHECKING:
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+
+def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint saved at any world size into ``opt`` and its model (collective).
+
+    Returns a summary: the saved world size and stage, and the rank files this rank read.
+    See [Note: validate, agree, then mutate].
+    """
+    path = Path(path)
+    view = ShardView.of(opt)
+    extras = model_extras(opt.model, view.params, view.names)
+    staged, error, reader = None, None, None
+    try:
+        meta = read_metadata(path)
+        _check_compatible(view, extras, meta, path / META_FILE)
+        reader = ShardReader(path, meta)
+        staged = _stage(view, extras, reader, meta)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in comm.all_gather_object(error, view.process_group) if e is not None]
+    if errors:
+        unique = list(dict.fromkeys(errors))
+        raise CheckpointError("cannot load checkpoint; nothing was changed: " + " | ".join(unique))
+
+    state_dict, extra_values = staged
+    opt.load_state_dict(state_dict)
+    with torch.no_grad():
+        for name, value in extra_values.items():
+            extras[name].copy_(value)
+    opt.zero_grad()
+    opt.copy_master_to_params()
+    return {"saved_world_size": meta["world_size"], "saved_stage": meta["stage"], "files_read": reader.files_read}
+
+
+def _check_compatible(view: ShardView, extras: dict, meta: dict[str, Any], where: Path) -> None:
+    saved = meta["params"]
+    current = dict(zip(view.names, view.params))
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: checkpoint is of a different model: parameters missing from it {missing[:5]}, "
+            f"unexpected in it {unexpected[:5]}"
+        )
+    shapes = [
+        f"{n}: saved {saved[n]['shape']}, model {list(p.shape)}"
+        for n, p in current.items()
+        if saved[n]["shape"] != list(p.shape)
+    ]
+    if shapes:
+        raise CheckpointError(f"{where}: checkpoint is of a different model: shapes differ ({'; '.join(shapes[:5])})")
+    saved_extras = meta.get("extras", {})
+    bad = [n for n, t in extras.items() if n not in saved_extras or saved_extras[n]["shape"] != list(t.shape)]
+    if bad:
+        raise CheckpointError(
+            f"{where}: checkpoint is of a different model: frozen params/buffers missing or of another shape: {bad[:5]}"
+        )
+    current_groups = [list(g["param_names"]) for g in view.state_dict["param_groups"]]
+    if current_groups != [g["params"] for g in meta["param_groups"]]:
+        raise CheckpointError(
+            f"{where}: the optimizer's param groups differ from the saved ones (same params in the same "
+            "groups and order are required); build the optimizer the way the saved run did"
+        )
+
+
+def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, Any]):
+    """This rank's shard as a state dict for ``opt.load_state_dict``, read into new tensors, and
+    the model's extras; nothing of the optimizer or model is touched."""
+    masters, state = {}, {}
+    for pos, name in enumerate(view.names):
+        saved, shard = meta["params"][name], view.shards[pos]
+        template = view.zero["master_rows"][pos]
+        masters[pos] = torch.zeros(shard.shard_numel, dtype=template.dtype, device=template.device)
+        read_row(reader, f"master/{name}", saved["numel"], shard, view.rank, masters[pos])
+        if not saved["has_state"]:
+            continue
+        entry = {k: scalar_from_json(v) for k, v in saved["scalar_state"].items()}
+        for key in saved["row_state"]:
+            entry[key] = torch.zeros(shard.shard_numel, dtype=torch.float32)  # load_state_dict casts/moves
+            read_row(reader, f"state/{name}/{key}", saved["numel"], shard, view.rank, entry[key])
+        state[pos] = entry
+    groups = []
+    for g_meta, live in zip(meta["param_groups"], view.state_dict["param_groups"]):
+        hyper = {k: scalar_from_json(v) for k, v in g_meta["hyperparameters"].items()}
+        for k, v in live.items():  # keep the live types (tuples for betas)
+            if k in hyper and isinstance(v, tuple):
+                hyper[k] = tuple(hyper[k])
+        groups.append(dict(hyper, params=live["params"], param_names=live["param_names"]))
+    scaler = meta["loss_scaler"]
+    if scaler.get("kind") != view.zero["loss_scaler"]["kind"]:
+        scaler = view.zero["loss_scaler"]  # another precision than the saved run: keep this run's scaler
+    zero = dict(
+        view.zero,
+        master_rows=masters,
+        loss_scaler=scaler,
+        skipped_steps=meta["skipped_steps"],
+        consecutive_skips=meta["consecutive_skips"],
+    )
+    values = {name: reader.read(EXTRAS_FILE, f"extra/{name}", list(t.shape)) for name, t in extras.items()}
+    return {"state": state, "param_groups": groups, SECTION: zero}, values

@@ -1,0 +1,107 @@
+"""Reading a sharded checkpoint: its metadata, and any slice of any rank's rows, validated.
+
+Example::
+
+    meta = read_metadata("ckpt/step-100")
+    reader = ShardReader(Path("ckpt/step-100"), meta)
+    row = torch.zeros(ParamShard(numel, 3).shard_numel)
+    read_row(reader, "master/head.weight", numel, ParamShard(numel, 3), rank=1, out=row)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from hf_lowzero.checkpoint.layout import FORMAT_VERSION, META_FILE, partial_dir, rank_file_name
+from hf_lowzero.checkpoint.shards import CheckpointError
+from hf_lowzero.zero.partition import ParamShard
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse and check ``zero_meta.json`` of checkpoint directory ``path``."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        partial = Path(partial_dir(Path(path)))
+        hint = f" (an unfinished save left {partial})" if partial.exists() else ""
+        raise CheckpointError(f"{meta_path}: missing; not a complete hf_lowzero checkpoint{hint}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: corrupted metadata ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != "hf_lowzero.zero":
+        raise CheckpointError(f"{meta_path}: not an hf_lowzero checkpoint metadata file")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_path}: unknown format version {meta.get('format_version')!r}; this hf_lowzero "
+            f"reads version {FORMAT_VERSION}. Upgrade hf_lowzero to load it."
+        )
+    return meta
+
+
+class ShardReader:
+    """Opens checkpoint files lazily, validates each once, and reads slices of their tensors."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.meta = meta
+        self.saved_world_size = meta["world_size"]
+        self._open: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
+
+    def file(self, name: str):
+        if name not in self._open:
+            file = self.path / name
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{file}: file missing (the checkpoint was saved by {self.saved_world_size} ranks)"
+                )
+            expected = self.meta["files"].get(name)
+            if expected is not None and file.stat().st_size != expected:
+                raise CheckpointError(
+                    f"{file}: truncated or corrupted ({file.stat().st_size} bytes, metadata says {expected})"
+                )
+            try:
+                self._open[name] = safe_open(str(file), framework="pt")
+                self._keys[name] = set(self._open[name].keys())
+            except Exception as e:  # safetensors raises its own error type for bad headers
+                raise CheckpointError(f"{file}: truncated or corrupted ({e})") from e
+        return self._open[name]
+
+    def read(self, name: str, key: str, shape: list[int], start: int | None = None, end: int | None = None):
+        """Tensor ``key`` of ``shape`` from file ``name``; elements ``[start, end)`` if given (1D)."""
+        f = self.file(name)
+        if key not in self._keys[name]:
+            raise CheckpointError(f"{self.path / name}: tensor {key!r} missing")
+        sl = f.get_slice(key)
+        if list(sl.get_shape()) != shape:
+            raise CheckpointError(f"{self.path / name}: tensor {key!r} has shape {sl.get_shape()}, expected {shape}")
+        try:
+            return sl[start:end] if start is not None else f.get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{self.path / name}: tensor {key!r} unreadable ({e})") from e
+
+    @property
+    def files_read(self) -> list[str]:
+        return sorted(self._open)
+
+
+def read_row(reader: ShardReader, key: str, numel: int, new: ParamShard, rank: int, out: torch.Tensor) -> None:
+    """Fill ``out`` (this rank's new row, padding zero) from the saved ranks whose rows overlap it."""
+    start, end = new.owned_range(rank)
+    old = ParamShard(numel, reader.saved_world_size)
+    first = start // old.shard_numel
+    for old_rank in range(first, reader.saved_world_size):
+        old_start, old_end = old.owned_range(old_rank)
+        if old_start >= end:
+            break
+        lo, hi = max(start, old_start), min(end, old_end)
+        if lo < hi:
+            name = rank_file_name(old_rank, reader.saved_world_size)
+            saved = reader.read(name, key, [old_end - old_start], lo - old_start, hi - old_start)
+            out[lo - start : hi - start].copy_(saved)

@@ -1,0 +1,130 @@
+"""Save a sharded checkpoint: every rank writes its own rows; atomic; no pickle.
+
+Example::
+
+    save_checkpoint(opt, "ckpt/step-100")   # collective: every rank writes its shard
+
+# [Note: atomic save]
+# Every rank writes into ``<path>.partial``; rank 0 writes the metadata last and then renames the
+# directory into place. A directory without ``zero_meta.json`` is never loaded, so a crash at any
+# point leaves either the previous checkpoint or a ``.partial`` directory that loading refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from safetensors.torch import save_file
+
+from hf_lowzero.checkpoint.layout import EXTRAS_FILE, FORMAT_VERSION, META_FILE, partial_dir, rank_file_name
+from hf_lowzero.checkpoint.shards import ShardView, atomic_write, model_extras, scalar_to_json
+from hf_lowzero.zero import comm
+
+if TYPE_CHECKING:
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+CRASH_POINT_ENV = "HF_LOWZERO_CRASH_POINT"  # fault injection for tests: "after_rank_files"
+
+
+def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> Path:
+    """Write ``opt``'s sharded state to directory ``path`` (collective; see [Note: atomic save]).
+
+    Holds every rank's rows of the fp32 master weights and of the optimizer state, the param
+    groups, loss scaler and counters, and the model's frozen params and buffers. Loadable at any
+    world size with :func:`hf_lowzero.load_checkpoint`.
+    """
+    path = Path(path)
+    partial = Path(partial_dir(path))
+    view = ShardView.of(opt)
+    group = view.process_group
+    if view.rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)  # left by an earlier crashed save
+        partial.mkdir(parents=True)
+    comm.barrier(group)
+    partial.mkdir(parents=True, exist_ok=True)  # ranks on other nodes without a shared filesystem
+
+    extras = model_extras(opt.model, view.params, view.names)
+    if view.rank == 0:
+        tensors = {f"extra/{name}": t.detach().cpu().clone() for name, t in extras.items()}
+        atomic_write(partial / EXTRAS_FILE, lambda f: save_file(tensors, f))
+    tensors = {}
+    for pos, name in enumerate(view.names):
+        owned = view.shards[pos].owned_numel(view.rank)
+        tensors[f"master/{name}"] = view.zero["master_rows"][pos][:owned].cpu().clone()
+        for key, value in view.row_state(pos).items():
+            tensors[f"state/{name}/{key}"] = value[:owned].cpu().clone()
+    own_file = partial / rank_file_name(view.rank, view.world_size)
+    atomic_write(own_file, lambda f: save_file(tensors, f))
+    if os.environ.get(CRASH_POINT_ENV) == "after_rank_files":
+        os._exit(17)
+
+    sizes = comm.all_gather_object(own_file.stat().st_size, group)
+    if view.rank == 0:
+        meta = _metadata(view, extras, sizes, partial)
+        atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
+    comm.barrier(group)
+    if view.rank == 0:
+        _replace_dir(partial, path)
+    comm.barrier(group)
+    if partial.exists():  # not a shared filesystem: this rank's own copy holds its shard
+        _replace_dir(partial, path)
+    comm.barrier(group)
+    return path
+
+
+def _metadata(view: ShardView, extras, sizes: list[int], partial: Path) -> dict[str, Any]:
+    params = {}
+    for pos, name in enumerate(view.names):
+        p = view.params[pos]
+        scalars = view.scalar_state(pos)
+        params[name] = {
+            "shape": list(p.shape),
+            "numel": p.numel(),
+            "dtype": _dtype_name(p),
+            "has_state": pos in view.state_dict["state"],
+            "row_state": sorted(view.row_state(pos)),
+            "scalar_state": {k: scalar_to_json(v) for k, v in scalars.items()},
+        }
+    groups = [
+        {
+            "hyperparameters": {k: scalar_to_json(v) for k, v in g.items() if k not in ("params", "param_names")},
+            "params": list(g["param_names"]),
+        }
+        for g in view.state_dict["param_groups"]
+    ]
+    return {
+        "format": "hf_lowzero.zero",
+        "format_version": FORMAT_VERSION,
+        "world_size": view.world_size,
+        "stage": view.zero["stage"],
+        "params": params,
+        "extras": {
+            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in extras.items()
+        },
+        "param_groups": groups,
+        "loss_scaler": view.zero["loss_scaler"],
+        "skipped_steps": view.zero["skipped_steps"],
+        "consecutive_skips": view.zero["consecutive_skips"],
+        "files": {rank_file_name(r, view.world_size): size for r, size in enumerate(sizes)}
+        | {EXTRAS_FILE: (partial / EXTRAS_FILE).stat().st_size},
+    }
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _replace_dir(partial: Path, path: Path) -> None:
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(partial, path)
+    if old.exists():
+        shutil.rmtree(old)

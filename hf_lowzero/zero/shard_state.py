@@ -1,0 +1,75 @@
+"""This rank's optimizer shard as a ``torch.optim`` state dict, and its validation.
+
+The format is torch's (``state`` keyed by position, ``param_groups`` listing positions, in the
+order of the optimizer's groups), so code written for ``torch.optim`` can save, inspect and
+restore it; the tensors are this rank's rows. One extra section, ``"zero"``, holds what torch's
+format has no place for and an exact restore needs:
+
+    {"state": {0: {"step": tensor(3.), "exp_avg": row, "exp_avg_sq": row}, ...},
+     "param_groups": [{"lr": 1e-3, ..., "params": [0, 1], "param_names": ["w", "b"]}, ...],
+     "zero": {"format_version": 1, "world_size": 2, "rank": 0, "stage": 2,
+              "numels": [numel of each position], "master_rows": {0: row, ...},
+              "loss_scaler": {...}, "skipped_steps": 0, "consecutive_skips": 0}}
+
+A row is 1D fp32 of ``ParamShard(numel, world_size).shard_numel`` elements (padding included).
+Like ``torch.optim.Optimizer.state_dict()``, the tensors are references to the live state: copy or
+save them before training on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hf_lowzero.zero.partition import ParamShard
+
+SECTION = "zero"
+SHARD_FORMAT_VERSION = 1
+
+
+def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
+    """Why ``state_dict`` cannot be loaded into the shard described by ``expected`` (the ``"zero"``
+    section of this optimizer's own state dict, plus ``group_sizes``), or None when it can."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups", SECTION} <= set(state_dict):
+        return (
+            "not a LowLevelZeroOptimizer state dict (expected the keys 'state', 'param_groups' and "
+            f"'{SECTION}'); a plain torch optimizer's state dict cannot be loaded into a sharded "
+            "optimizer, and sharded checkpoints load with hf_lowzero.load_checkpoint()"
+        )
+    zero = state_dict[SECTION]
+    if zero.get("format_version") != SHARD_FORMAT_VERSION:
+        return f"unknown shard state format version {zero.get('format_version')!r} (this is {SHARD_FORMAT_VERSION})"
+    where = (zero.get("rank"), zero.get("world_size"))
+    if where != (expected["rank"], expected["world_size"]):
+        return (
+            f"the state dict holds the shard of rank {where[0]} of {where[1]}, this is rank "
+            f"{expected['rank']} of {expected['world_size']}; load_state_dict() restores the same rank "
+            "at the same world size. Use hf_lowzero.save_checkpoint()/load_checkpoint() to change it."
+        )
+    sizes = [len(g.get("params", ())) for g in state_dict["param_groups"]]
+    if sizes != expected["group_sizes"]:
+        return f"param group sizes {sizes} differ from this optimizer's {expected['group_sizes']}"
+    if list(zero.get("numels", ())) != expected["numels"]:
+        return "the parameters' sizes differ from this optimizer's: a state dict of another model"
+    positions = set(range(len(expected["numels"])))
+    if [p for g in state_dict["param_groups"] for p in g["params"]] != sorted(positions):
+        return "param_groups must list positions 0..N-1 in order, as torch's state_dict() does"
+    masters = zero.get("master_rows", {})
+    if set(masters) != positions:
+        return f"master rows for positions {sorted(masters)[:5]}..., expected one per position"
+    for pos, numel in enumerate(expected["numels"]):
+        row_numel = ParamShard(numel, expected["world_size"]).shard_numel
+        if tuple(masters[pos].shape) != (row_numel,):
+            return f"master row {pos} has shape {tuple(masters[pos].shape)}, expected ({row_numel},)"
+        for key, value in state_dict["state"].get(pos, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != (row_numel,):
+                return f"state {key!r} of position {pos} has shape {tuple(value.shape)}, expected ({row_numel},)"
+    if set(state_dict["state"]) - positions:
+        return f"state for unknown positions {sorted(set(state_dict['state']) - positions)[:5]}"
+    return None
+
+
+def is_row_state(value: Any, shard: ParamShard) -> bool:
+    """An element-wise state tensor (one value per element of the row), as opposed to a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == shard.shard_numel
