@@ -1,10 +1,14 @@
 """Turn a sharded ZeRO checkpoint into full weights: a ``save_pretrained``-style directory.
 
     python -m hf_lowzero.consolidate CKPT_DIR OUT_DIR [--dtype bf16] [--config-from MODEL_DIR]
+        [--base-weights DIR_OR_FILE]
 
 Writes ``OUT_DIR/model.safetensors`` (fp32 unless ``--dtype`` says otherwise); with
 ``--config-from`` also copies that directory's ``config.json`` (and generation config), so
-``AutoModel.from_pretrained(OUT_DIR)`` loads the result. Needs no process group or GPU.
+``AutoModel.from_pretrained(OUT_DIR)`` loads the result. A Trainer checkpoint's
+``checkpoint-N/zero_optimizer`` holds only the trainable params (the Trainer saves the model
+itself): ``--base-weights checkpoint-N`` (or any ``*.safetensors`` file or directory of them with
+the same names) supplies the frozen params and buffers. Needs no process group or GPU.
 """
 
 from __future__ import annotations
@@ -13,15 +17,28 @@ import argparse
 import shutil
 from pathlib import Path
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from hf_lowzero.checkpoint import consolidate_checkpoint
 from hf_lowzero.zero.config import parse_dtype
 
 
-def write_pretrained_weights(ckpt: str | Path, out: str | Path, dtype=None) -> Path:
+def read_weights(path: str | Path) -> dict:
+    """Every tensor of a ``.safetensors`` file, or of all ``*.safetensors`` files in a directory."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors weights found")
+    weights = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def write_pretrained_weights(ckpt: str | Path, out: str | Path, dtype=None, base_weights=None) -> Path:
     """Consolidate ``ckpt`` into ``out/model.safetensors``; returns the written file."""
-    weights = consolidate_checkpoint(ckpt)
+    base = read_weights(base_weights) if base_weights is not None else None
+    weights = consolidate_checkpoint(ckpt, base=base)
     if dtype is not None:
         weights = {k: v.to(parse_dtype(dtype, "dtype")) for k, v in weights.items()}
     out = Path(out)
@@ -39,8 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="output directory for model.safetensors")
     parser.add_argument("--dtype", default=None, help="fp32 (default), bf16 or fp16")
     parser.add_argument("--config-from", default=None, help="copy config.json from this model directory")
+    parser.add_argument(
+        "--base-weights", default=None, help="safetensors file or directory with the frozen params and buffers"
+    )
     args = parser.parse_args(argv)
-    target = write_pretrained_weights(args.checkpoint, args.out, args.dtype)
+    target = write_pretrained_weights(args.checkpoint, args.out, args.dtype, args.base_weights)
     if args.config_from:
         for name in ("config.json", "generation_config.json"):
             src = Path(args.config_from) / name

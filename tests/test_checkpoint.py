@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.multiprocessing import ProcessExitedException
 from torch.nn.functional import mse_loss
@@ -235,6 +235,9 @@ def export_body(rank, world_size, tmp):
         ref_opt.zero_grad()
     full = full_state_dict(opt)
     save_checkpoint(opt, f"{tmp}/ckpt")
+    save_checkpoint(opt, f"{tmp}/ckpt-trainable-only", model_extras=False)  # as the Trainer saves
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in model.state_dict().items()}, f"{tmp}/base.safetensors")
     if rank != 0:
         assert full is None
         return
@@ -256,3 +259,16 @@ def test_full_state_dict_and_consolidation(tmp_path):
     fresh = BranchyNet(seed=3)
     fresh.load_state_dict(weights, strict=True)  # complete: trainable, frozen and all
     assert all(torch.equal(v, consolidate_checkpoint(tmp_path / "ckpt")[k]) for k, v in weights.items())
+
+    # Without the model's extras, the frozen layer comes from the base weights the CLI is given.
+    trainable_only = tmp_path / "ckpt-trainable-only"
+    assert "zero_model_extras.safetensors" not in os.listdir(trainable_only)
+    with pytest.raises(CheckpointError, match="frozen.weight"):
+        consolidate_checkpoint(trainable_only)
+    base = tmp_path / "base.safetensors"
+    subprocess.run(
+        [sys.executable, "-m", "hf_lowzero.consolidate", str(trainable_only), str(out), "--base-weights", str(base)],
+        check=True,
+    )
+    assert load_file(out / "model.safetensors").keys() == weights.keys()
+    assert all(torch.equal(v, weights[k]) for k, v in load_file(out / "model.safetensors").items())

@@ -84,6 +84,22 @@ def param_groups_case(rank, stage):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))  # group 1 trained
     assert set(opt.state) <= set(trainable) and all("exp_avg" in s for s in opt.state.values())
 
+    # A scheduler built on the inner optimizer before wrapping (or handed to Trainer with it in
+    # optimizers=) drives the same learning rates as one built on the ZeRO optimizer.
+    runs = []
+    for bind_to_inner in (True, False):
+        model = BranchyNet()
+        inner = make_inner("adamw", model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.5**s) if bind_to_inner else None
+        opt = LowLevelZeroOptimizer(model, inner, stage=stage)
+        scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        for step in range(3):
+            train_step(model, opt, rank, step)
+            scheduler.step()
+        assert opt.param_groups[1]["lr"] == inner.param_groups[1]["lr"] == 0.5 * 1e-2 * 0.5**3
+        runs.append(params_of(model))
+    assert_identical(runs[0], runs[1], "scheduler on the inner optimizer")
+
 
 # ------------------------------------------------------------------------------- state dicts
 

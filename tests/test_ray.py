@@ -11,9 +11,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from hf_lowzero import consolidate_checkpoint  # noqa: E402
+from hf_lowzero import LowZeroTrainer, consolidate_checkpoint  # noqa: E402
 from hf_lowzero.ray import RayFinetuneConfig, run_finetune  # noqa: E402
 from hf_lowzero.ray.launch import FAILURE_MARKER  # noqa: E402
+from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
+from tests.trainer_runs import make_args  # noqa: E402
 
 STEPS, SAVE = 12, 4
 
@@ -21,7 +23,9 @@ STEPS, SAVE = 12, 4
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    root = str(Path(__file__).resolve().parents[1])  # workers import tests.* (model_init below)
+    runtime_env = {"env_vars": {"PYTHONPATH": root}}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     yield
     ray.shutdown()
 
@@ -78,3 +82,33 @@ def test_worker_failure_resumes_to_the_same_result(local_ray, tmp_path):
     history = json.loads((resumed_dir / "trainer_state.json").read_text())["log_history"]
     before = json.loads((clean_dir / "trainer_state.json").read_text())["log_history"]
     assert [h.get("loss") for h in history[:STEPS]] == [h.get("loss") for h in before[:STEPS]], "did not resume"
+
+
+def model_init(trial=None):
+    return tiny_gpt2(seed=3)
+
+
+def test_ray_tune_hyperparameter_search_builds_a_zero_optimizer_per_trial(local_ray, tmp_path):
+    """Trainer.hyperparameter_search(backend="ray"): each trial (a Ray actor, world size 1) builds
+    its model with model_init and a ZeRO optimizer for it; every trial's objective equals the plain
+    Trainer's for the same learning rate."""
+    from ray import tune
+
+    data = {"train_dataset": TokenDataset(), "eval_dataset": TokenDataset(n=8, seed=9)}
+    rates = [1e-3, 3e-3]
+    trainer = LowZeroTrainer(model_init=model_init, args=make_args(tmp_path / "search", 2), **data)
+    best = trainer.hyperparameter_search(
+        hp_space=lambda _: {"learning_rate": tune.grid_search(rates)},
+        backend="ray",
+        n_trials=1,
+        direction="minimize",
+        resources_per_trial={"cpu": 1},
+        storage_path=str(tmp_path / "tune"),
+    )
+    objectives = {t.config["learning_rate"]: t.last_result["objective"] for t in best.run_summary.trials}
+    for lr in rates:
+        args = make_args(tmp_path / f"plain-{lr}", 0, learning_rate=lr)
+        plain = LowZeroTrainer(model_init=model_init, args=args, **data)
+        plain.train()
+        assert objectives[lr] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5), lr
+    assert best.hyperparameters["learning_rate"] == min(objectives, key=objectives.get)

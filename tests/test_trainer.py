@@ -17,40 +17,9 @@ from hf_lowzero.testing import run_distributed
 from hf_lowzero.trainer import ZeroTrainingModule
 from hf_lowzero.zero.comm import comm_stats
 from tests.hf_models import TokenDataset, tiny_bert, tiny_gpt2
+from tests.trainer_runs import ACCUMULATION, STEPS, logged, make_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, ACCUMULATION = 6, 2
-
-
-def make_args(out, stage, **overrides) -> LowZeroTrainingArguments:
-    base = dict(
-        output_dir=str(out),
-        zero_stage=stage,
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=ACCUMULATION,
-        max_steps=STEPS,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        zero_reduce_bucket_mb=0.01,  # several buckets even for a tiny model
-    )
-    return LowZeroTrainingArguments(**(base | overrides))
-
-
-def train(model, args, task="clm", **kwargs):
-    trainer = LowZeroTrainer(model=model, args=args, train_dataset=TokenDataset(task=task), **kwargs)
-    trainer.train(resume_from_checkpoint=kwargs.pop("resume", None))
-    return trainer
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if "loss" in h]
 
 
 def parity_body(rank, world_size, tmp):

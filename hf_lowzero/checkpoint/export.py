@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,24 +19,29 @@ import torch
 
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
-from hf_lowzero.checkpoint.shards import ShardView
+from hf_lowzero.checkpoint.shards import CheckpointError, ShardView
 from hf_lowzero.zero import comm
+from hf_lowzero.zero.params import canonical_name
 from hf_lowzero.zero.partition import ParamShard
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 
 
-def consolidate_checkpoint(path: str | os.PathLike) -> OrderedDict[str, torch.Tensor]:
+def consolidate_checkpoint(
+    path: str | os.PathLike, base: torch.nn.Module | Mapping[str, torch.Tensor] | None = None
+) -> OrderedDict[str, torch.Tensor]:
     """Full model weights by name from a sharded checkpoint (reads every rank file; no process group).
 
     Trainable params come from the fp32 master weights; frozen params and persistent buffers are
-    returned in the dtype they were saved in.
+    returned in the dtype they were saved in. A checkpoint saved with ``model_extras=False`` (the
+    Trainer's; a LoRA run's) holds only the trainable params: ``base`` (a model, or its state
+    dict) supplies the rest, which must have the recorded names and shapes.
 
     Example::
 
-        >>> weights = consolidate_checkpoint("out/checkpoint-100/zero_optimizer")
-        >>> model.load_state_dict(weights, strict=False)
+        >>> weights = consolidate_checkpoint("out/checkpoint-100/zero_optimizer", base=model)
+        >>> model.load_state_dict(weights)
     """
     path = Path(path)
     meta = read_metadata(path)
@@ -47,7 +53,30 @@ def consolidate_checkpoint(path: str | os.PathLike) -> OrderedDict[str, torch.Te
         full[name] = flat.view(saved["shape"])
     for name, info in meta.get("extras", {}).items():
         full[name] = reader.read(EXTRAS_FILE, f"extra/{name}", info["shape"])
+    external = meta.get("external", {})
+    if external:
+        full.update(_from_base(path, external, base))
     return full
+
+
+def _from_base(path: Path, external: dict[str, Any], base) -> dict[str, torch.Tensor]:
+    """The entries the checkpoint left to the model's own save, taken from ``base``."""
+    if base is None:
+        raise CheckpointError(
+            f"{path}: holds only the trainable params; the frozen params/buffers {sorted(external)[:5]} "
+            f"({len(external)} in all) were left to the model's own checkpoint. Pass base=<the model or "
+            "its state dict> (CLI: --base-weights DIR_OR_FILE) to consolidate a complete model."
+        )
+    if isinstance(base, torch.nn.Module):
+        base = base.state_dict()
+    base = {canonical_name(k): v for k, v in base.items()}
+    missing = [n for n, info in external.items() if n not in base or list(base[n].shape) != info["shape"]]
+    if missing:
+        raise CheckpointError(
+            f"{path}: the base model lacks (or has other shapes for) {missing[:5]}; pass the base model "
+            "this run was trained from"
+        )
+    return {n: base[n].detach().cpu() for n in external}
 
 
 def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:

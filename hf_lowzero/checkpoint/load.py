@@ -24,7 +24,7 @@ import torch
 
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
-from hf_lowzero.checkpoint.shards import CheckpointError, ShardView, model_extras, scalar_from_json
+from hf_lowzero.checkpoint.shards import CheckpointError, ShardView, scalar_from_json, unsharded_state
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.shard_state import SECTION
 
@@ -40,7 +40,7 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
     """
     path = Path(path)
     view = ShardView.of(opt)
-    extras = model_extras(opt.model, view.params, view.names)
+    extras = unsharded_state(opt.model, view.params, view.names)
     staged, error, reader = None, None, None
     try:
         meta = read_metadata(path)
@@ -80,7 +80,7 @@ def _check_compatible(view: ShardView, extras: dict, meta: dict[str, Any], where
     ]
     if shapes:
         raise CheckpointError(f"{where}: checkpoint is of a different model: shapes differ ({'; '.join(shapes[:5])})")
-    saved_extras = meta.get("extras", {})
+    saved_extras = meta.get("extras", {}) | meta.get("external", {})
     bad = [n for n, t in extras.items() if n not in saved_extras or saved_extras[n]["shape"] != list(t.shape)]
     if bad:
         raise CheckpointError(
@@ -127,5 +127,8 @@ def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, A
         skipped_steps=meta["skipped_steps"],
         consecutive_skips=meta["consecutive_skips"],
     )
-    values = {name: reader.read(EXTRAS_FILE, f"extra/{name}", list(t.shape)) for name, t in extras.items()}
+    stored = meta.get("extras", {})  # the rest were left to the model's own checkpoint
+    values = {
+        name: reader.read(EXTRAS_FILE, f"extra/{name}", list(t.shape)) for name, t in extras.items() if name in stored
+    }
     return {"state": state, "param_groups": groups, SECTION: zero}, values

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors.torch import save_file
 
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, FORMAT_VERSION, META_FILE, partial_dir, rank_file_name
-from hf_lowzero.checkpoint.shards import ShardView, atomic_write, model_extras, scalar_to_json
+from hf_lowzero.checkpoint.shards import ShardView, atomic_write, scalar_to_json, unsharded_state
 from hf_lowzero.zero import comm
 
 if TYPE_CHECKING:
@@ -30,12 +30,15 @@ if TYPE_CHECKING:
 CRASH_POINT_ENV = "HF_LOWZERO_CRASH_POINT"  # fault injection for tests: "after_rank_files"
 
 
-def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> Path:
+def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_extras: bool = True) -> Path:
     """Write ``opt``'s sharded state to directory ``path`` (collective; see [Note: atomic save]).
 
     Holds every rank's rows of the fp32 master weights and of the optimizer state, the param
-    groups, loss scaler and counters, and the model's frozen params and buffers. Loadable at any
-    world size with :func:`hf_lowzero.load_checkpoint`.
+    groups, loss scaler and counters, and (``model_extras=True``) the model's frozen params and
+    persistent buffers, so that the checkpoint alone consolidates into a complete model. With
+    ``model_extras=False`` only their names and shapes are recorded: for callers that save the
+    model themselves (the Trainer; a LoRA run whose frozen base is the pretrained model).
+    Loadable at any world size with :func:`hf_lowzero.load_checkpoint`.
     """
     path = Path(path)
     partial = Path(partial_dir(path))
@@ -48,8 +51,8 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> Path
     comm.barrier(group)
     partial.mkdir(parents=True, exist_ok=True)  # ranks on other nodes without a shared filesystem
 
-    extras = model_extras(opt.model, view.params, view.names)
-    if view.rank == 0:
+    extras = unsharded_state(opt.model, view.params, view.names)
+    if view.rank == 0 and model_extras:
         tensors = {f"extra/{name}": t.detach().cpu().clone() for name, t in extras.items()}
         atomic_write(partial / EXTRAS_FILE, lambda f: save_file(tensors, f))
     tensors = {}
@@ -65,7 +68,7 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> Path
 
     sizes = comm.all_gather_object(own_file.stat().st_size, group)
     if view.rank == 0:
-        meta = _metadata(view, extras, sizes, partial)
+        meta = _metadata(view, extras, model_extras, sizes, partial)
         atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
     comm.barrier(group)
     if view.rank == 0:
@@ -77,7 +80,7 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> Path
     return path
 
 
-def _metadata(view: ShardView, extras, sizes: list[int], partial: Path) -> dict[str, Any]:
+def _metadata(view: ShardView, extras, stored: bool, sizes: list[int], partial: Path) -> dict[str, Any]:
     params = {}
     for pos, name in enumerate(view.names):
         p = view.params[pos]
@@ -103,15 +106,16 @@ def _metadata(view: ShardView, extras, sizes: list[int], partial: Path) -> dict[
         "world_size": view.world_size,
         "stage": view.zero["stage"],
         "params": params,
-        "extras": {
-            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in extras.items()
+        # frozen params and persistent buffers: stored in EXTRAS_FILE, or left to the model's own save
+        "extras" if stored else "external": {
+            n: {"shape": list(t.shape), "dtype": _dtype_name(t)} for n, t in extras.items()
         },
         "param_groups": groups,
         "loss_scaler": view.zero["loss_scaler"],
         "skipped_steps": view.zero["skipped_steps"],
         "consecutive_skips": view.zero["consecutive_skips"],
         "files": {rank_file_name(r, view.world_size): size for r, size in enumerate(sizes)}
-        | {EXTRAS_FILE: (partial / EXTRAS_FILE).stat().st_size},
+        | ({EXTRAS_FILE: (partial / EXTRAS_FILE).stat().st_size} if stored else {}),
     }
 
 

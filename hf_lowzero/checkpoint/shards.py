@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hf_lowzero.zero.params import canonical_name
 from hf_lowzero.zero.partition import ParamShard
 from hf_lowzero.zero.shard_state import SECTION, is_row_state
 
@@ -67,15 +68,15 @@ class ShardView:
         return {k: v for k, v in state.items() if not is_row_state(v, self.shards[pos])}
 
 
-def model_extras(model: torch.nn.Module, managed: list[torch.nn.Parameter], managed_names: list[str]):
+def unsharded_state(model: torch.nn.Module, managed: list[torch.nn.Parameter], managed_names: list[str]):
     """Model state that is not sharded: frozen params and persistent buffers (rank 0 saves them),
     so a consolidated checkpoint is a complete model. Tied duplicates of managed params are skipped."""
     managed_ptrs = {p.data_ptr() for p in managed}
     names = set(managed_names)
     return {
-        name: t
+        canonical_name(name): t
         for name, t in model.state_dict(keep_vars=False).items()
-        if t.data_ptr() not in managed_ptrs and name not in names
+        if t.data_ptr() not in managed_ptrs and canonical_name(name) not in names
     }
 
 

@@ -6,19 +6,25 @@ Example::
     LowZeroTrainer(model=model, args=args, train_dataset=ds).train()
 
 With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
+- flags that cannot work with sharded optimizer state are refused at construction (``compat.py``);
 - the model is not wrapped in DDP (the optimizer synchronizes gradients); data is still sharded;
+  ``torch_compile`` compiles it as accelerate would;
 - ``bf16``/``fp16`` cast the params once; the accelerator gets no mixed precision (no autocast,
   no GradScaler); fp16 losses are scaled by the optimizer;
+- the optimizer Trainer builds (or the one given in ``optimizers=``) is wrapped, and rebuilt for
+  every new model (``model_init``, ``hyperparameter_search``); an OOM retry starts from a clean one;
 - stage 1 uses ``no_sync()`` for non-final micro-batches, stage 2 reduces every micro-batch;
 - the logged ``grad_norm`` is the true global norm; ``loss_scale`` and ``skipped_steps`` are
   logged too; a skipped step does not advance the LR schedule;
-- every rank's optimizer shard is saved into ``checkpoint-N/zero_optimizer`` and resumed at the
-  same or another world size.
+- every rank's optimizer shard is saved into ``checkpoint-N/zero_optimizer`` (trainable state
+  only: the Trainer saves the model) and resumed at the same or another world size; checkpoint
+  names are the uncompiled model's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 
@@ -30,16 +36,19 @@ from transformers import Trainer
 from hf_lowzero.checkpoint import load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.zero.config import parse_dtype
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+from hf_lowzero.zero.params import canonical_name
 
 SCHEDULER_NAME = "scheduler.pt"
+logger = logging.getLogger(__name__)
 
 
 class ZeroTrainingModule(nn.Module):
-    """What the Trainer trains under ZeRO: the model itself (no DDP), plus a ``no_sync()`` that
-    accelerate's ``Accelerator.no_sync`` picks up: the optimizer's under stage 1, a no-op under
-    stage 2 (which must reduce every micro-batch)."""
+    """What the Trainer trains under ZeRO: the model itself (no DDP; compiled if asked), plus a
+    ``no_sync()`` that accelerate's ``Accelerator.no_sync`` picks up: the optimizer's under stage 1,
+    a no-op under stage 2 (which must reduce every micro-batch)."""
 
     def __init__(self, module: nn.Module, optimizer: LowLevelZeroOptimizer) -> None:
         super().__init__()
@@ -68,6 +77,8 @@ class LowZeroTrainer(Trainer):
                 "build the arguments with hf_lowzero.LowZeroTrainingArguments(..., zero_stage=...)"
             )
         self.zero_optimizer: LowLevelZeroOptimizer | None = None
+        if self.zero_enabled:
+            check_trainer_flags(self)
 
     @property
     def zero_enabled(self) -> bool:
@@ -95,17 +106,24 @@ class LowZeroTrainer(Trainer):
     def create_optimizer(self, model=None):
         if not self.zero_enabled:
             return super().create_optimizer(model)
-        if self.zero_optimizer is None:
-            _ensure_process_group()
-            if self.args.zero_dtype is not None:
-                self.model.to(parse_dtype(self.args.zero_dtype, "dtype"))
-            inner = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
-            if isinstance(inner, LowLevelZeroOptimizer):
-                self.zero_optimizer = inner
-            else:
-                self.zero_optimizer = LowLevelZeroOptimizer(self.model, inner, self.args.to_zero_config())
-            self.zero_optimizer.register_step_post_hook(self._record_skip)
-            self.optimizer = self.zero_optimizer
+        current = self.zero_optimizer
+        if current is not None and current.model is self.model and self.optimizer is not None:
+            # A later _inner_training_loop on the same model (a second train(), or the retry after
+            # an OOM): drop whatever a failed backward left behind ([Note: failed backward]).
+            current.zero_grad()
+            return self.optimizer
+        if current is not None:
+            current.remove_hooks()  # built for a previous model (model_init, hyperparameter_search)
+        _ensure_process_group()
+        if self.args.zero_dtype is not None:
+            self.model.to(parse_dtype(self.args.zero_dtype, "dtype"))
+        inner = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
+        if isinstance(inner, LowLevelZeroOptimizer):
+            self.zero_optimizer = inner
+        else:
+            self.zero_optimizer = LowLevelZeroOptimizer(self.model, inner, self.args.to_zero_config())
+        self.zero_optimizer.register_step_post_hook(self._record_skip)
+        self.optimizer = self.zero_optimizer
         return self.optimizer
 
     def _record_skip(self, optimizer, args, kwargs) -> None:
@@ -118,9 +136,12 @@ class LowZeroTrainer(Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if not self.zero_enabled or not training:
             return super()._wrap_model(model, training, dataloader)
-        if isinstance(model, ZeroTrainingModule):
+        if isinstance(model, ZeroTrainingModule) and model._zero_optimizer is self.zero_optimizer:
             return model
-        return ZeroTrainingModule(self.model, self.zero_optimizer)
+        # evaluation_mode: no DDP; mixed precision is off under ZeRO, so this applies exactly
+        # what accelerate would: torch_compile (backend, mode, regional compilation) when asked.
+        module = self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+        return ZeroTrainingModule(module, self.zero_optimizer)
 
     # ----------------------------------------------------------------- norms and logging
 
@@ -145,7 +166,9 @@ class LowZeroTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.zero_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
-        save_checkpoint(self.zero_optimizer, os.path.join(output_dir, TRAINER_SUBDIR))  # every rank
+        # Every rank writes its shard. The Trainer saves the model (adapter only, for PEFT), so the
+        # shards hold trainable state only: no second copy of a frozen base model.
+        save_checkpoint(self.zero_optimizer, os.path.join(output_dir, TRAINER_SUBDIR), model_extras=False)
         if self.args.should_save:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch's "please also save optimizer" note
@@ -154,7 +177,18 @@ class LowZeroTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.zero_enabled or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_checkpoint(self.zero_optimizer, os.path.join(checkpoint, TRAINER_SUBDIR))
+        zero_dir = os.path.join(checkpoint, TRAINER_SUBDIR)
+        if not os.path.isdir(zero_dir):
+            # save_only_model=True, or a run without ZeRO: Trainer goes on with a fresh optimizer
+            # and schedule; so do we, from the weights just loaded into the model.
+            logger.warning(
+                "%s holds no ZeRO optimizer state (saved with save_only_model=True or zero_stage=0); "
+                "continuing with a fresh optimizer and LR schedule from the checkpoint's weights",
+                checkpoint,
+            )
+            self.zero_optimizer.copy_params_to_master()
+            return
+        load_checkpoint(self.zero_optimizer, zero_dir)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler_file):
             with warnings.catch_warnings():
@@ -167,6 +201,26 @@ class LowZeroTrainer(Trainer):
             # Trainer has no barrier before on_save callbacks: make every file of checkpoint-N
             # (rank 0's trainer state included) exist before any rank reports it.
             dist.barrier()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self.zero_enabled and state_dict is None and self._compiled():
+            # A compiled model's state dict carries "_orig_mod." names that from_pretrained and an
+            # uncompiled resume do not know: save the uncompiled names.
+            state_dict = {canonical_name(k): v for k, v in self.model.state_dict().items()}
+        super()._save(output_dir, state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if self.zero_enabled and model is None and self._compiled():
+            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # uncompiled names
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        if self.zero_enabled and self.zero_optimizer is not None:
+            self.zero_optimizer.copy_params_to_master()  # a later train() continues from these weights
+
+    def _compiled(self) -> bool:
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False) is not self.model
 
 
 def _ensure_process_group() -> None:

@@ -47,9 +47,9 @@ class BackwardSync:
         self.launcher = PlanOrderLauncher(buckets, grad_sync.launch, grad_sync.finish, max_in_flight=MAX_IN_FLIGHT)
         self._guard = guard  # run once per backward, before the first bucket can launch
         self.enabled = True  # False inside no_sync()
+        self.explicit = False  # inside opt.backward(), which flushes itself when autograd returns
         self.locally_used = [False] * len(slots)  # got a gradient on this rank since the last step
         self.unsynced_local_grads = False  # a no_sync backward left gradients in p.grad
-        self.completed_flushes = 0
         self.grad_version = 0  # bumped by every gradient; a norm computed before is stale
         self._flush_queued = False
         self.hook_handles = [slot.param.register_post_accumulate_grad_hook(self._hook_for(slot)) for slot in slots]
@@ -71,7 +71,10 @@ class BackwardSync:
         if not self.enabled:
             self.unsynced_local_grads = True
             return
-        if not self._flush_queued:
+        if not self.explicit and not self._flush_queued:
+            # A bare loss.backward(): flush from an end-of-backward callback, queued by the first
+            # hook. (Inside opt.backward() the flush runs after autograd returns, so the flush
+            # never lands at the end of a nested, reentrant-checkpointing backward instead.)
             self._guard()
             self._flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -95,7 +98,6 @@ class BackwardSync:
         """Launch every bucket not yet launched in this backward, in plan order, and wait."""
         self.launcher.launch_all(self.overlap)
         self.unsynced_local_grads = False
-        self.completed_flushes += 1
 
     def reset(self) -> None:
         """Forget everything since the last step, a failed backward included ([Note: failed backward])."""

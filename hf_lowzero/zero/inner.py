@@ -18,6 +18,28 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
 
 
+def check_optimizer_class(cls: type, allow_untested: bool) -> None:
+    """Raise a clear error unless ``cls`` updates each element from that element alone.
+
+    Example::
+
+        >>> check_optimizer_class(torch.optim.AdamW, allow_untested=False)
+    """
+    whole = next((base.__name__ for base in cls.__mro__ if base.__name__ in WHOLE_TENSOR_OPTIMIZERS), None)
+    if whole is not None:
+        raise ValueError(
+            f"{cls.__name__} updates each parameter from the whole tensor ({whole}-style), which is "
+            "wrong on the row shards ZeRO gives each rank. Use an element-wise optimizer "
+            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+        )
+    if not issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not allow_untested:
+        raise ValueError(
+            f"{cls.__name__} is not a known element-wise optimizer "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If its update of each "
+            "element depends on that element alone, pass allow_untested_optimizer=True."
+        )
+
+
 def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
     """Raise a clear error unless ``optimizer`` is a fresh, element-wise ``torch.optim.Optimizer``.
 
@@ -32,19 +54,7 @@ def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
         raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
-    whole = next((base.__name__ for base in cls.__mro__ if base.__name__ in WHOLE_TENSOR_OPTIMIZERS), None)
-    if whole is not None:
-        raise ValueError(
-            f"{cls.__name__} updates each parameter from the whole tensor ({whole}-style), which is "
-            "wrong on the row shards ZeRO gives each rank. Use an element-wise optimizer "
-            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
-        )
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not allow_untested:
-        raise ValueError(
-            f"{cls.__name__} is not a known element-wise optimizer "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If its update of each "
-            "element depends on that element alone, pass allow_untested_optimizer=True."
-        )
+    check_optimizer_class(cls, allow_untested)
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError(
             f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "

@@ -21,12 +21,8 @@ Lifecycle of one step (docs/architecture.md, "The data path of one step"):
    multiply, the inner optimizer updates the fp32 master rows, and the updated rows are
    all-gathered (bucketed, in the params' dtype) back into the model's params.
 
-# [Note: two sets of param groups]
-# ``self.param_groups`` is what torch.optim code sees: the model's own parameters, in the groups
-# and order the inner optimizer was built with, with their hyperparameters. The inner optimizer
-# keeps the same groups over this rank's fp32 master rows. Hyperparameters flow one way, outer to
-# inner, before every step, so LR schedulers, Trainer.get_optimizer_group and user code that edit
-# ``opt.param_groups`` behave as without ZeRO.
+``opt.param_groups`` hold the model's params; the inner optimizer's hold master rows (see
+[Note: two sets of param groups] in ``groups.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +40,7 @@ from hf_lowzero.zero import comm
 from hf_lowzero.zero.backward import MAX_IN_FLIGHT, BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
 from hf_lowzero.zero.inner import check_inner_optimizer
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.memory import MemoryReport, tensor_bytes
@@ -96,11 +93,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         device = self.slots[0].param.device
         self.flat_master_rows = torch.zeros(sum(b.row_numel for b in self.buckets), dtype=MASTER_DTYPE, device=device)
         self.master_rows = [self._row_view(self.flat_master_rows, slot) for slot in self.slots]
-        self._init_master_rows()
+        self.copy_params_to_master()
 
         slot_of = {id(slot.param): slot for slot in self.slots}
-        self.param_groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
-        self._slot_at = [slot_of[id(p)] for group in self.param_groups for p in group["params"]]  # by position
+        self._groups = ParamGroups(optimizer)
+        self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
         for group in optimizer.param_groups:
             group["params"] = [self.master_rows[slot_of[id(p)].index] for p in group["params"]]
 
@@ -128,6 +125,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- torch.optim.Optimizer API
 
     @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The model's params in the inner optimizer's groups, with their (synced) hyperparameters."""
+        self._groups.sync()
+        return self._groups.outer
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self._groups.replace(groups)
+
+    @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """The inner optimizer's state of this rank's rows, keyed by the model's params (read view)."""
         inner = self.optim.state
@@ -149,7 +156,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             if entry:
                 state[pos] = dict(entry)
         groups, pos = [], 0
-        for group in self.param_groups:
+        for group in self.param_groups:  # synced
             n = len(group["params"])
             names = [s.name for s in self._slot_at[pos : pos + n]]
             groups.append(dict(group, params=list(range(pos, pos + n)), param_names=names))
@@ -186,15 +193,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for pos, slot in enumerate(self._slot_at):
                 self.master_rows[slot.index].copy_(zero["master_rows"][pos])
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in state_dict["param_groups"]]
-        self.optim.load_state_dict(
-            {
-                "state": state_dict["state"],
-                "param_groups": [dict(h, params=g["params"]) for h, g in zip(hyper, state_dict["param_groups"])],
-            }
-        )
-        for group, h in zip(self.param_groups, hyper):
+        saved_groups = state_dict["param_groups"]
+        hyper = [{k: v for k, v in g.items() if k not in NOT_HYPERPARAMETERS} for g in saved_groups]
+        inner_groups = [dict(h, params=g["params"]) for h, g in zip(hyper, saved_groups)]
+        self.optim.load_state_dict({"state": state_dict["state"], "param_groups": inner_groups})
+        for group, h in zip(self._groups.outer, hyper):
             group.update(h)
+        self._groups.sync()
         self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero["skipped_steps"])
         self.consecutive_skips = int(zero["consecutive_skips"])
@@ -229,22 +234,46 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         for item in in_flight:
             finish(*item)
 
+    @torch.no_grad()
+    def copy_params_to_master(self) -> None:
+        """Re-read this rank's fp32 master rows from the model's params. Local.
+
+        For code that loaded new weights into the model in place after wrapping (a Trainer resuming
+        from a checkpoint without optimizer state, ``load_best_model_at_end``); optimizer state is
+        kept. With 16-bit params the masters become the 16-bit values.
+        """
+        for slot, master in zip(self.slots, self.master_rows):
+            start, end = slot.shard.owned_range(self.rank)
+            master[: end - start].copy_(slot.param.view(-1)[start:end])
+
+    def remove_hooks(self) -> None:
+        """Detach from the model: remove the gradient hooks this optimizer put on its params.
+
+        Call it before dropping an optimizer whose model lives on (rebuilding the optimizer for the
+        same model); the optimizer must not be used afterwards.
+        """
+        for handle in self._sync.hook_handles:
+            handle.remove()
+        self._sync.hook_handles = []
+
     # ----------------------------------------------------------------------------- backward
 
     def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
         """``loss.backward()`` with loss scaling (fp16) and gradient synchronization.
 
-        Also synchronizes on a rank where no parameter got a gradient, so no peer waits forever.
+        Synchronizes after autograd returns, also on a rank where no parameter got a gradient,
+        so no peer waits forever.
         """
         self._sync.check_finished("run backward")
         check_unchanged(self.slots)
-        flushes_before = self._sync.completed_flushes
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
-        loss.backward(**backward_kwargs)
-        if self._sync.enabled and self._sync.completed_flushes == flushes_before:
-            # No hook fired on this rank, so no end-of-backward callback was queued; the other
-            # ranks still launch every bucket, so this rank must too.
+        self._sync.explicit = True
+        try:
+            loss.backward(**backward_kwargs)
+        finally:
+            self._sync.explicit = False
+        if self._sync.enabled:
             self._sync.flush()
 
     @contextlib.contextmanager
@@ -281,7 +310,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
         self._sync.check_finished("step")
         check_unchanged(self.slots)
-        self._check_groups()
+        self._check_group_sizes()
         grad_rows, scaled_norm, used = self._norm_and_usage()
         if not math.isfinite(scaled_norm):
             self.last_step_applied = self._skip_step()
@@ -297,8 +326,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             for slot in bucket.slots:
                 applied = used[slot.index] and rows is not None
                 self.master_rows[slot.index].grad = self._row_view(rows, slot, bucket.row_offset) if applied else None
-        for outer, inner in zip(self.param_groups, self.optim.param_groups):
-            inner.update((k, v) for k, v in outer.items() if k not in ("params", "param_names"))
+        self._groups.sync()
         self.optim.step()
         for master in self.master_rows:
             master.grad = None
@@ -319,8 +347,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._norm_and_usage()  # sets last_grad_norm
         return self.last_grad_norm
 
-    def _check_groups(self) -> None:
-        sizes = [len(g["params"]) for g in self.param_groups]
+    def _check_group_sizes(self) -> None:
+        sizes = [len(g["params"]) for g in self._groups.outer]
         if sizes != [len(g["params"]) for g in self.optim.param_groups]:
             raise RuntimeError(
                 f"opt.param_groups changed shape after wrapping (group sizes now {sizes}); the sharded "
@@ -384,12 +412,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _row_view(flat: torch.Tensor, slot: ParamSlot, base: int = 0) -> torch.Tensor:
         start = slot.row_offset - base
         return flat[start : start + slot.shard.shard_numel]
-
-    @torch.no_grad()
-    def _init_master_rows(self) -> None:
-        for slot, master in zip(self.slots, self.master_rows):
-            start, end = slot.shard.owned_range(self.rank)
-            master[: end - start].copy_(slot.param.view(-1)[start:end])
 
     @property
     def managed_params(self) -> list[torch.nn.Parameter]:

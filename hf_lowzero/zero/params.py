@@ -47,6 +47,13 @@ class ParamSlot:
         ]
 
 
+def canonical_name(name: str) -> str:
+    """A parameter or buffer name as the uncompiled model has it: ``torch.compile`` wraps a module
+    in an ``OptimizedModule`` whose names carry ``_orig_mod.``; checkpoints never do, so compiled
+    and uncompiled runs share checkpoints and consolidation yields names ``from_pretrained`` knows."""
+    return name.replace("_orig_mod.", "")
+
+
 def _identity(p: torch.Tensor) -> tuple:
     return p.dtype, p.device, p.data_ptr()
 
@@ -75,7 +82,7 @@ def check_unchanged(slots: list[ParamSlot]) -> None:
 
 def managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> list[ParamSlot]:
     """Validate that ``optimizer`` holds exactly ``model``'s trainable params; one slot each."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
     in_optimizer: set[int] = set()
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -91,7 +98,7 @@ def managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, worl
                     "leave frozen parameters out of the optimizer."
                 )
             in_optimizer.add(id(p))
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     missing = [n for n, p in trainable if id(p) not in in_optimizer]
     if missing:
         raise ValueError(

@@ -1,0 +1,68 @@
+"""Which Trainer features conflict with ZeRO's sharded optimizer state, checked at construction.
+
+A conflicting flag raises a ``ValueError`` naming the flag and what to do, when the Trainer is
+built, never as a crash mid-training.
+
+Example::
+
+    check_trainer_flags(trainer)   # called by LowZeroTrainer.__init__ when zero_stage > 0
+"""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+from hf_lowzero.zero.inner import check_inner_optimizer, check_optimizer_class
+from hf_lowzero.zero.params import managed_slots
+
+
+def _conflict(flag: str, why: str, fix: str) -> ValueError:
+    return ValueError(f"zero_stage>0 conflicts with {flag}: {why}. {fix}")
+
+
+def check_trainer_flags(trainer: Trainer) -> None:
+    """Raise a clear error for every Trainer setting that cannot work with ZeRO stage 1/2."""
+    args = trainer.args
+    if args.deepspeed:
+        raise _conflict(
+            "--deepspeed", "DeepSpeed brings its own ZeRO", "Use one of them: drop --deepspeed or set --zero_stage 0."
+        )
+    if args.fsdp:
+        raise _conflict(
+            "--fsdp", "FSDP shards parameters itself", "Use one of them: drop --fsdp or set --zero_stage 0."
+        )
+    if args.n_gpu > 1:
+        raise _conflict(
+            f"{args.n_gpu} GPUs in one process (nn.DataParallel)",
+            "ZeRO needs one process per GPU",
+            "Launch with torchrun --nproc-per-node N (or Ray), one process per GPU.",
+        )
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        raise _conflict(
+            "a model sharded at load time (tp_plan / device_mesh)",
+            "its parameters are DTensors owned by tensor parallelism",
+            "Load the model unsharded, or set --zero_stage 0.",
+        )
+    allow_untested = args.to_zero_config().allow_untested_optimizer
+    if trainer.optimizer is not None:  # optimizers=(optimizer, scheduler)
+        check_inner_optimizer(trainer.optimizer, allow_untested)
+        managed_slots(trainer.model, trainer.optimizer, world_size=1)  # over this model's trainable params
+        return
+    if trainer.optimizer_cls_and_kwargs is not None:
+        cls = trainer.optimizer_cls_and_kwargs[0]
+    else:
+        try:
+            cls, _ = trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
+        except ImportError:  # the optimizer's package is missing: Trainer reports that itself at train()
+            return
+    optim = f"--optim {getattr(args.optim, 'value', args.optim)}"
+    if not isinstance(cls, type):
+        raise _conflict(
+            optim,
+            "it builds its optimizer through a factory over the whole model",
+            "Use an element-wise optimizer such as --optim adamw_torch.",
+        )
+    try:
+        check_optimizer_class(cls, allow_untested)
+    except ValueError as e:
+        raise ValueError(f"zero_stage>0 conflicts with {optim}: {e} For example --optim adamw_torch_fused.") from e
