@@ -45,7 +45,7 @@ def test_pack_is_rank_major_padded_and_frees_grads():
     grads = [s.param.grad.clone() for s in slots]
     (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
     flat = torch.full((world_size * bucket.row_numel,), float("nan"))
-    pack_bucket(bucket, flat, world_size, accumulate=False)
+    pack_bucket(bucket, flat, world_size)
 
     rows = flat.view(world_size, bucket.row_numel)
     for rank in range(world_size):

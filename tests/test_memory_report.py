@@ -23,8 +23,8 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     opt.backward(mse_loss(model(x), y))
     report = opt.memory_report()
     assert report.grads == 0, "full gradients are freed once bucketed"
-    # stage 1 keeps every bucket's averaged gradient (W rows); stage 2 only its own fp32 rows.
-    assert report.grad_buffers == 4 * rows * (world_size if stage == 1 else 1)
+    # Both stages keep only this rank's fp32 gradient rows once the buckets are reduced.
+    assert report.grad_buffers == 4 * rows
 
     opt.step()
     report = opt.memory_report()
@@ -32,9 +32,8 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     exp_avg_and_sq = sum(2 * 4 * s.shard.shard_numel for s in used)
     step_counters = 4 * len(used)  # AdamW keeps a float32 scalar step per param it has stepped
     assert report.optimizer_state == exp_avg_and_sq + step_counters
-    # ZeRO's fp32 accounting with Adam (K=12 incl. the master copy): stage 1 ~ 8Psi + 12Psi/W,
-    # stage 2 ~ 4Psi + 16Psi/W (gradient rows counted when held, right after backward).
-    # `never` has master rows (4 bytes) but no Adam state (8 bytes): it was never used.
+    # ZeRO's fp32 accounting with Adam (K=12 incl. the master copy): 4Psi + 16Psi/W for both stages
+    # (gradient rows counted when held, right after backward). `never` has master rows (4 bytes) but no Adam state (8 bytes): it was never used.
     used_numel = sum(s.param.numel() for s in used)
     sharded = report.master_rows + report.optimizer_state
     assert sharded == pytest.approx((4 * trainable_numel + 8 * used_numel) / world_size, rel=0.01)

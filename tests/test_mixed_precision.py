@@ -60,7 +60,7 @@ def train_zero(rank: int, dtype: torch.dtype, stage: int, reference: MasterWeigh
         masters = dict(reference.master_model.named_parameters())
         for slot in opt.slots:
             start, end = slot.shard.owned_range(rank)
-            row = opt.master_rows[slot.index]
+            row = opt.master.rows[slot.index]
             expected = masters[slot.name].detach().view(-1)[start:end]
             torch.testing.assert_close(row[: end - start], expected, rtol=2 * eps, atol=2 * eps * 1e-2)
             assert not row[end - start :].any(), "master padding must stay zero"
@@ -98,7 +98,7 @@ def poison(param: nn.Parameter, when) -> None:
 
 def snapshot(model: nn.Module, opt: LowLevelZeroOptimizer) -> list[torch.Tensor]:
     state = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return [p.detach().clone() for p in model.parameters()] + [opt.flat_master_rows.clone()] + state
+    return [p.detach().clone() for p in model.parameters()] + [opt.master.flat.clone()] + state
 
 
 def overflow_body(rank: int, world_size: int) -> None:
@@ -174,13 +174,24 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     model = nn.Sequential(nn.Linear(257, 301), nn.Tanh(), nn.Linear(301, 129)).half()
     psi = sum(p.numel() for p in model.parameters())
     opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=stage, reduce_bucket_mb=0.05)
-    opt.backward(model(torch.randn(4, 257).half()).float().square().mean())
+
+    def backward():
+        opt.backward(model(torch.randn(4, 257).half()).float().square().mean())
+
+    backward()
     assert opt.step()
+    backward()  # gradients held until the next step
+    # ZeRO paper, fp16 params + Adam (fp32 master copy, momentum, variance: K = 12 bytes/param),
+    # plus fp32 gradient rows: 2Psi + 16Psi/W for both stages (stage 1 reduce-scatters too).
     report = opt.memory_report()
-    # ZeRO paper, fp16 params + Adam (fp32 master copy, momentum, variance: K = 12 bytes/param):
-    formula = 4 * psi + 12 * psi / world_size if stage == 1 else 2 * psi + 16 * psi / world_size
-    assert report.model_state_bytes == pytest.approx(formula, rel=0.01)
+    assert report.model_state_bytes == pytest.approx(2 * psi + 16 * psi / world_size, rel=0.01)
     assert report.model_state_bytes < 16 * psi  # plain DDP with fp16 params + Adam: (2 + 2 + 12) psi
+    if stage == 1:  # accumulating under no_sync() keeps the full local fp16 gradients: + 2Psi
+        with opt.no_sync():
+            backward()
+        report = opt.memory_report()
+        assert report.model_state_bytes == pytest.approx(4 * psi + 16 * psi / world_size, rel=0.01)
+    assert opt.step()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -59,7 +59,7 @@ class ZeroTrainingModule(nn.Module):
         return self.module(*args, **kwargs)
 
     def no_sync(self):
-        if self._zero_optimizer.grad_sync.allows_no_sync:
+        if self._zero_optimizer.reducer.allows_no_sync:
             return self._zero_optimizer.no_sync()
         return contextlib.nullcontext()
 

@@ -3,7 +3,7 @@ flush, ``no_sync`` bookkeeping, and recovery from a backward that raised.
 
 Example::
 
-    sync = BackwardSync(slots, buckets, grad_sync, overlap=True, guard=lambda: check_unchanged(slots))
+    sync = BackwardSync(slots, buckets, reducer, overlap=True, guard=lambda: check_unchanged(slots))
     loss.backward()        # hooks launch complete buckets; the queued callback flushes the rest
     sync.reset()           # after a backward that raised: wait for its collectives, forget it
 
@@ -25,7 +25,7 @@ import torch
 
 from hf_lowzero.zero.buckets import Bucket, BucketState, PlanOrderLauncher
 from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.stages import GradientSync
+from hf_lowzero.zero.stages import BucketReducer
 
 MAX_IN_FLIGHT = 2  # buckets reducing at once; bounds transient buffer memory
 
@@ -37,14 +37,14 @@ class BackwardSync:
         self,
         slots: list[ParamSlot],
         buckets: list[Bucket],
-        grad_sync: GradientSync,
+        reducer: BucketReducer,
         overlap: bool,
         guard: Callable[[], None],
     ) -> None:
         self.slots = slots
         self.buckets = buckets
         self.overlap = overlap
-        self.launcher = PlanOrderLauncher(buckets, grad_sync.launch, grad_sync.finish, max_in_flight=MAX_IN_FLIGHT)
+        self.launcher = PlanOrderLauncher(buckets, reducer.launch, reducer.finish, max_in_flight=MAX_IN_FLIGHT)
         self._guard = guard  # run once per backward, before the first bucket can launch
         self.enabled = True  # False inside no_sync()
         self.explicit = False  # inside opt.backward(), which flushes itself when autograd returns

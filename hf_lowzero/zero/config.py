@@ -83,6 +83,15 @@ class ZeroConfig:
     process_group: Any = None
     """Data-parallel ``torch.distributed`` process group; None means the default (WORLD) group."""
 
+    offload_optimizer: bool = False
+    """Keep the fp32 master rows, the inner optimizer's state and the gradient rows in host
+    memory and run the optimizer step there (ZeRO-Offload). Leaves only the params and bounded
+    bucket buffers on the GPU; each reduced bucket is copied to the host asynchronously."""
+
+    pin_memory: bool = True
+    """With ``offload_optimizer`` and CUDA params: page-lock the host buffers, so that copies to
+    and from the GPU run asynchronously."""
+
     allow_untested_optimizer: bool = False
     """Accept an inner optimizer class that is not on the element-wise allow-list. Only set this
     for optimizers whose update of an element depends on that element alone (not LAMB,
@@ -126,7 +135,7 @@ class ZeroConfig:
         clip = self.clip_grad_norm
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (clip >= 0 and math.isfinite(clip)):
             raise ValueError(f"ZeroConfig.clip_grad_norm={clip!r} is invalid; expected a finite number >= 0 (0 = off)")
-        for name in ("overlap_communication", "allow_untested_optimizer"):
+        for name in ("overlap_communication", "offload_optimizer", "pin_memory", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected True or False")
         self._check_loss_scaling()

@@ -37,16 +37,18 @@ import torch
 import torch.distributed as dist
 
 from hf_lowzero.zero import comm
-from hf_lowzero.zero.backward import MAX_IN_FLIGHT, BackwardSync
+from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
 from hf_lowzero.zero.inner import check_inner_optimizer
 from hf_lowzero.zero.loss_scaler import make_scaler
+from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, tensor_bytes
-from hf_lowzero.zero.params import ParamSlot, check_unchanged, managed_slots
+from hf_lowzero.zero.params import check_unchanged, managed_slots
 from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
-from hf_lowzero.zero.stages import MASTER_DTYPE, make_grad_sync
+from hf_lowzero.zero.stages import BucketReducer
 
 _HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -87,19 +89,25 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         self.slots = managed_slots(model, optimizer, self.world_size)
         self.buckets = plan_buckets(self.slots, self.config.reduce_bucket_bytes, self.config.communication_dtype)
-        self.grad_sync = make_grad_sync(self.config, self.buckets, self.rank, self.world_size)
-
-        # 1D fp32, the owned-rows space (bucket after bucket); one view per param below.
-        device = self.slots[0].param.device
-        self.flat_master_rows = torch.zeros(sum(b.row_numel for b in self.buckets), dtype=MASTER_DTYPE, device=device)
-        self.master_rows = [self._row_view(self.flat_master_rows, slot) for slot in self.slots]
-        self.copy_params_to_master()
+        self.device = self.slots[0].param.device
+        offload, pin = self.config.offload_optimizer, self.config.pin_memory
+        self.reducer = BucketReducer(
+            self.buckets,
+            self.process_group,
+            self.world_size,
+            self.config.communication_dtype,
+            self.config.stage,
+            make_grad_rows(self.buckets, self.device, offload, pin),
+        )
+        self.master = MasterRows(
+            self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin
+        )
 
         slot_of = {id(slot.param): slot for slot in self.slots}
         self._groups = ParamGroups(optimizer)
         self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
         for group in optimizer.param_groups:
-            group["params"] = [self.master_rows[slot_of[id(p)].index] for p in group["params"]]
+            group["params"] = [self.master.rows[slot_of[id(p)].index] for p in group["params"]]
 
         self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
         self.skipped_steps = 0
@@ -110,7 +118,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync = BackwardSync(
             self.slots,
             self.buckets,
-            self.grad_sync,
+            self.reducer,
             self.config.overlap_communication,
             guard=lambda: check_unchanged(self.slots),
         )
@@ -138,7 +146,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """The inner optimizer's state of this rank's rows, keyed by the model's params (read view)."""
         inner = self.optim.state
-        return {s.param: inner[self.master_rows[s.index]] for s in self._slot_at if self.master_rows[s.index] in inner}
+        return {s.param: inner[self.master.rows[s.index]] for s in self._slot_at if self.master.rows[s.index] in inner}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
@@ -152,7 +160,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         inner = self.optim.state
         state = {}
         for pos, slot in enumerate(self._slot_at):
-            entry = inner.get(self.master_rows[slot.index])
+            entry = inner.get(self.master.rows[slot.index])
             if entry:
                 state[pos] = dict(entry)
         groups, pos = [], 0
@@ -167,7 +175,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "stage": self.config.stage,
             "numels": [s.shard.numel for s in self._slot_at],
-            "master_rows": {pos: self.master_rows[s.index] for pos, s in enumerate(self._slot_at)},
+            "master_rows": {pos: self.master.rows[s.index] for pos, s in enumerate(self._slot_at)},
             "loss_scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
@@ -192,7 +200,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         zero = state_dict[SECTION]
         with torch.no_grad():
             for pos, slot in enumerate(self._slot_at):
-                self.master_rows[slot.index].copy_(zero["master_rows"][pos])
+                self.master.rows[slot.index].copy_(zero["master_rows"][pos])
         saved_groups = state_dict["param_groups"]
         hyper = [{k: v for k, v in g.items() if k not in NOT_HYPERPARAMETERS} for g in saved_groups]
         inner_groups = [dict(h, params=g["params"]) for h, g in zip(hyper, saved_groups)]
@@ -210,31 +218,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync.reset()
         for slot in self.slots:
             slot.param.grad = None
-        self.grad_sync.clear()
+        self.reducer.clear()
         self._pending_norm = None
 
-    @torch.no_grad()
     def copy_master_to_params(self) -> None:
         """Write the fp32 master rows back into the model's params (all-gather, bucketed, in the
         params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it."""
-        in_flight: list[tuple] = []
+        self.master.copy_to_params()
 
-        def finish(bucket, out, work) -> None:
-            comm.wait(work)
-            for slot in bucket.slots:
-                slot.shard.gather_from(slot.rows(out, bucket.row_numel), slot.param.view(-1))
-
-        for bucket in self.buckets:
-            rows = self.flat_master_rows[bucket.row_offset : bucket.row_offset + bucket.row_numel]
-            out = torch.empty(self.world_size * bucket.row_numel, dtype=bucket.dtype, device=bucket.device)
-            work = comm.all_gather(out, rows.to(bucket.dtype), self.process_group, async_op=True)
-            in_flight.append((bucket, out, work))
-            if len(in_flight) >= MAX_IN_FLIGHT:
-                finish(*in_flight.pop(0))
-        for item in in_flight:
-            finish(*item)
-
-    @torch.no_grad()
     def copy_params_to_master(self) -> None:
         """Re-read this rank's fp32 master rows from the model's params. Local.
 
@@ -242,9 +233,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         from a checkpoint without optimizer state, ``load_best_model_at_end``); optimizer state is
         kept. With 16-bit params the masters become the 16-bit values.
         """
-        for slot, master in zip(self.slots, self.master_rows):
-            start, end = slot.shard.owned_range(self.rank)
-            master[: end - start].copy_(slot.param.view(-1)[start:end])
+        self.master.copy_from_params()
 
     def remove_hooks(self) -> None:
         """Detach from the model: remove the gradient hooks this optimizer put on its params.
@@ -282,7 +271,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         The first backward outside the context reduces the accumulated total once.
         """
-        if not self.grad_sync.allows_no_sync:
+        if not self.reducer.allows_no_sync:
             raise RuntimeError(
                 "no_sync() is not available with ZeRO stage 2: gradients are sharded, so every "
                 "backward must reduce-scatter into the owned rows (keeping full local gradients "
@@ -325,10 +314,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 rows.mul_(coef)
             for slot in bucket.slots:
                 applied = used[slot.index] and rows is not None
-                self.master_rows[slot.index].grad = self._row_view(rows, slot, bucket.row_offset) if applied else None
+                start = slot.row_offset - bucket.row_offset
+                grad = rows[start : start + slot.shard.shard_numel] if applied else None
+                self.master.rows[slot.index].grad = grad
         self._groups.sync()
         self.optim.step()
-        for master in self.master_rows:
+        for master in self.master.rows:
             master.grad = None
         self.copy_master_to_params()
         self.scaler.update(overflow=False)
@@ -359,7 +350,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
             if self._sync.unsynced_local_grads:
                 self._sync.flush()  # stage 1: every backward of this step ran under no_sync()
-            grad_rows = [self.grad_sync.grad_rows(bucket) for bucket in self.buckets]
+            grad_rows = [self.reducer.grad_rows(bucket) for bucket in self.buckets]
             scaled_norm, used = self._global_norm_and_usage(grad_rows)
             self.last_grad_norm = scaled_norm / self.scaler.scale
             self._pending_norm = (self._sync.grad_version, grad_rows, scaled_norm, used)
@@ -369,11 +360,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
         got a gradient on any rank (DDP's unused-parameter detection). Padding rows are zero, so
         the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
-        stats = torch.zeros(1 + len(self.slots), dtype=MASTER_DTYPE, device=self.flat_master_rows.device)
-        for rows in grad_rows:
-            if rows is not None:
-                stats[0] += rows.square().sum()
-        stats[1:] = torch.tensor(self._sync.locally_used, dtype=MASTER_DTYPE)
+        # Summed where the rows live (host memory with offload), reduced on the params' device.
+        sums = [rows.square().sum() for rows in grad_rows if rows is not None]
+        square_sum = torch.stack(sums).sum().reshape(1) if sums else torch.zeros(1)
+        used = torch.tensor(self._sync.locally_used, dtype=torch.float32)
+        stats = torch.cat([square_sum.float().to(self.device), used.to(self.device)])
         comm.all_reduce(stats, self.process_group)
         stats = stats.cpu()
         return math.sqrt(stats[0].item()), (stats[1:] > 0).tolist()
@@ -408,11 +399,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------ helpers
 
-    @staticmethod
-    def _row_view(flat: torch.Tensor, slot: ParamSlot, base: int = 0) -> torch.Tensor:
-        start = slot.row_offset - base
-        return flat[start : start + slot.shard.shard_numel]
-
     @property
     def managed_params(self) -> list[torch.nn.Parameter]:
         """The sharded params, in the model's registration order."""
@@ -424,8 +410,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return MemoryReport(
             params=tensor_bytes(self.model.parameters()),
             grads=tensor_bytes(p.grad for p in self.model.parameters() if id(p) in managed and p.grad is not None),
-            grad_buffers=self.grad_sync.buffer_bytes(),
-            master_rows=self.flat_master_rows.nbytes,
+            grad_buffers=self.reducer.buffer_bytes(),
+            master_rows=self.master.flat.nbytes,
             optimizer_state=tensor_bytes(
                 v for state in self.optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)
             ),

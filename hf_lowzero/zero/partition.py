@@ -64,24 +64,21 @@ class ParamShard:
     # partial row; copying those two pieces avoids materializing a padded copy of the parameter.
     # The padding slots of the destination are zeroed on copy, so sums over ranks stay exact.
 
-    def scatter_into(self, rows: torch.Tensor, flat: torch.Tensor | None, accumulate: bool = False) -> None:
+    def scatter_into(self, rows: torch.Tensor, flat: torch.Tensor | None) -> None:
         """Write ``flat`` (1D, ``numel``) into ``rows`` (``[W, shard_numel]``, may be a strided view).
 
-        ``flat=None`` means a zero contribution. With ``accumulate`` the values are added and the
-        (already zero) padding is left alone; otherwise ``rows`` is overwritten, padding zeroed.
+        ``flat=None`` means a zero contribution. The padding slots are zeroed.
         """
-        full_rows, rem = divmod(self.numel, self.shard_numel)
         if flat is None:
-            if not accumulate:
-                rows.zero_()
+            rows.zero_()
             return
-        write = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
+        full_rows, rem = divmod(self.numel, self.shard_numel)
         split = full_rows * self.shard_numel
         if full_rows:
-            write(rows[:full_rows], flat[:split].view(full_rows, self.shard_numel))
+            rows[:full_rows].copy_(flat[:split].view(full_rows, self.shard_numel))
         if rem:
-            write(rows[full_rows, :rem], flat[split:])
-        if not accumulate and self.padding:
+            rows[full_rows, :rem].copy_(flat[split:])
+        if self.padding:
             rows[full_rows, rem:].zero_()
             rows[full_rows + 1 :].zero_()
 

@@ -1,0 +1,146 @@
+"""Where this rank's reduced gradient rows accumulate: on the params' device, or in host memory
+for optimizer offload.
+
+Both keep one flat fp32 tensor in the owned-rows space (bucket after bucket). ``accept`` takes a
+bucket's reduced chunk (the params' device, the communication dtype) right after its collective
+finished: the first contribution since the last step is copied, later ones (accumulation) added,
+always in fp32.
+
+Example::
+
+    rows = make_grad_rows(buckets, device, offload=True, pin_memory=True)
+    rows.accept(bucket, reduced_chunk, first=True)   # async D2H on CUDA
+    rows.rows(bucket)                                 # waits for that copy, then returns host rows
+
+# [Note: host copies]
+# With offload on CUDA, a bucket's reduced chunk is copied to pinned host memory on a side stream
+# that first waits for an event recorded on the compute stream after the collective (so the copy
+# never reads a chunk still being reduced), while backward goes on. The chunk's allocation is
+# tied to the copy stream (``record_stream``), so the caching allocator cannot reuse it before
+# the copy is done. Every copy records a completion event, and nothing reads (or rewrites) a
+# staging buffer or a host row before that event completed: ``rows()``, the next ``accept`` of
+# the same bucket and ``clear()`` synchronize on it first. On CPU the same path runs with
+# ordinary copies and no events.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_lowzero.zero.buckets import Bucket
+
+MASTER_DTYPE = torch.float32
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed host tensor, page-locked when ``pin`` (for async copies to and from CUDA)."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+class DeviceGradRows:
+    """fp32 gradient rows on the params' device."""
+
+    offloaded = False
+
+    def __init__(self, buckets: list[Bucket], device: torch.device) -> None:
+        self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=MASTER_DTYPE, device=device)
+
+    def view(self, bucket: Bucket) -> torch.Tensor:
+        return self.flat[bucket.row_offset : bucket.row_offset + bucket.row_numel]
+
+    def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
+        """Where a collective may write its result itself (saving a copy), or None."""
+        return self.view(bucket) if first and dtype == MASTER_DTYPE else None
+
+    def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
+        rows = self.view(bucket)
+        if reduced.data_ptr() == rows.data_ptr():
+            return  # the collective wrote into the rows (direct_target)
+        rows.copy_(reduced) if first else rows.add_(reduced)
+
+    def rows(self, bucket: Bucket) -> torch.Tensor:
+        return self.view(bucket)
+
+    def clear(self) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+
+class HostGradRows(DeviceGradRows):
+    """fp32 gradient rows in host memory (optimizer offload); see [Note: host copies]."""
+
+    offloaded = True
+
+    def __init__(self, buckets: list[Bucket], device: torch.device, pin_memory: bool) -> None:
+        self.device = device
+        self.pin = pin_memory and device.type == "cuda"
+        self.flat = host_buffer(sum(b.row_numel for b in buckets), MASTER_DTYPE, self.pin)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._staging: dict[int, torch.Tensor] = {}  # bucket index -> host buffer in the comm dtype
+        self._pending: dict[int, tuple] = {}  # bucket index -> (host rows, staging or None, event or None, first)
+
+    def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
+        # On CPU the host rows are the device's memory: reduce straight into them.
+        return self.view(bucket) if first and dtype == MASTER_DTYPE and self.stream is None else None
+
+    def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
+        rows = self.view(bucket)
+        if reduced.data_ptr() == rows.data_ptr():
+            return  # the collective wrote into the rows (direct_target: CPU, fp32, first contribution)
+        self._resolve(bucket.index)  # a previous micro-batch's copy of this bucket
+        # An fp32 first contribution lands in the host rows directly; anything to add is staged.
+        direct = first and reduced.dtype == MASTER_DTYPE
+        target = rows if direct else self._staging_for(bucket, reduced.dtype)
+        event = None
+        if self.stream is None:
+            target.copy_(reduced)
+        else:
+            ready = torch.cuda.Event()
+            ready.record()  # on the compute stream, after the collective's wait
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                target.copy_(reduced, non_blocking=True)
+                reduced.record_stream(self.stream)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        self._pending[bucket.index] = (rows, None if direct else target, event, first)
+
+    def _staging_for(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        staging = self._staging.get(bucket.index)
+        if staging is None or staging.dtype != dtype:
+            staging = host_buffer(bucket.row_numel, dtype, self.pin)
+            self._staging[bucket.index] = staging
+        return staging
+
+    def _resolve(self, index: int) -> None:
+        entry = self._pending.pop(index, None)
+        if entry is None:
+            return
+        rows, staging, event, first = entry
+        if event is not None:
+            event.synchronize()  # [Note: host copies]: never read before the copy completed
+        if staging is not None:
+            rows.copy_(staging) if first else rows.add_(staging)
+
+    def rows(self, bucket: Bucket) -> torch.Tensor:
+        self._resolve(bucket.index)
+        return self.view(bucket)
+
+    def clear(self) -> None:
+        for index in list(self._pending):
+            _, _, event, _ = self._pending.pop(index)
+            if event is not None:
+                event.synchronize()  # the staging buffer may be written again only after the copy
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes + sum(s.nbytes for s in self._staging.values())
+
+
+def make_grad_rows(buckets: list[Bucket], device: torch.device, offload: bool, pin_memory: bool):
+    if offload:
+        return HostGradRows(buckets, device, pin_memory)
+    return DeviceGradRows(buckets, device)
