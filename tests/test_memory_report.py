@@ -32,8 +32,9 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     exp_avg_and_sq = sum(2 * 4 * s.shard.shard_numel for s in used)
     step_counters = 4 * len(used)  # AdamW keeps a float32 scalar step per param it has stepped
     assert report.optimizer_state == exp_avg_and_sq + step_counters
-    # ZeRO's fp32 accounting with Adam (K=12 incl. the master copy): 4Psi + 16Psi/W for both stages
-    # (gradient rows counted when held, right after backward). `never` has master rows (4 bytes) but no Adam state (8 bytes): it was never used.
+    # ZeRO's fp32 accounting with Adam (K=12 incl. the master copy): 4Psi + 16Psi/W for both
+    # stages (gradient rows counted when held, right after backward). `never` has master rows
+    # (4 bytes) but no Adam state (8 bytes): it was never used.
     used_numel = sum(s.param.numel() for s in used)
     sharded = report.master_rows + report.optimizer_state
     assert sharded == pytest.approx((4 * trainable_numel + 8 * used_numel) / world_size, rel=0.01)

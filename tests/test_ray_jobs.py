@@ -54,3 +54,14 @@ def test_submitted_job_succeeds(local_head, tmp_path):
     assert "ended: SUCCEEDED" in result.stdout
     assert "hf_lowzero fine-tune finished" in result.stdout  # the job's own output came back
     assert list(storage.glob("submitted/checkpoint_*/checkpoint-6/zero_optimizer/zero_meta.json"))
+
+
+def test_finetune_flags_map_onto_the_config():
+    sys.path.insert(0, str(ROOT / "ray_jobs"))
+    from finetune import parse_args
+
+    address, config = parse_args(["--offload-optimizer", "--zero-stage", "1", "--num-workers", "3"])
+    assert address is None
+    assert (config.offload_optimizer, config.zero_stage, config.num_workers) == (True, 1, 3)
+    with pytest.raises(ValueError, match="zero_stage=3 is invalid"):
+        parse_args(["--zero-stage", "3"])

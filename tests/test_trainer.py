@@ -154,18 +154,22 @@ def test_arguments_parse_as_cli_flags_and_validate(tmp_path):
             "4",
             "--max_grad_norm",
             "0.5",
+            "--zero_offload_optimizer",
+            "true",
             "--zero_config",
             json.dumps({"hysteresis": 1, "initial_scale": 1024}),
         ]
     )
     cfg = args.to_zero_config()
-    assert (cfg.stage, cfg.reduce_bucket_mb, cfg.clip_grad_norm, cfg.hysteresis, cfg.initial_scale) == (
-        1,
-        4,
-        0.5,
-        1,
-        1024,
+    knobs = (
+        cfg.stage,
+        cfg.reduce_bucket_mb,
+        cfg.clip_grad_norm,
+        cfg.offload_optimizer,
+        cfg.hysteresis,
+        cfg.initial_scale,
     )
+    assert knobs == (1, 4, 0.5, True, 1, 1024)
     with pytest.raises(ValueError, match="zero_stage=3 is invalid"):
         LowZeroTrainingArguments(output_dir=str(tmp_path), zero_stage=3)
     with pytest.raises(ValueError, match="unknown field"):

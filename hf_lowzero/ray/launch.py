@@ -57,6 +57,7 @@ class RayFinetuneConfig:
     per_device_train_batch_size: int = _opt(4, "sequences per worker per micro-batch")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
     bf16: bool = _opt(False, "bf16 params with fp32 master rows")
+    offload_optimizer: bool = _opt(False, "fp32 master rows, optimizer state and gradient rows in host memory")
     zero_config: str | None = _opt(None, "other ZeroConfig fields as JSON")
     model_name_or_path: str | None = _opt(None, "local save_pretrained directory (default: a tiny GPT-2)")
     train_file: str | None = _opt(None, "plain-text corpus (default: the one shipped with hf_lowzero)")
@@ -111,6 +112,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         output_dir=output_dir,
         zero_stage=config.zero_stage,
         zero_config=config.zero_config,
+        zero_offload_optimizer=config.offload_optimizer,
         max_steps=config.max_steps,
         save_strategy="steps",
         save_steps=config.save_steps,

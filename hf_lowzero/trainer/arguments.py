@@ -43,6 +43,10 @@ class LowZeroTrainingArguments(TrainingArguments):
     zero_communication_dtype: str | None = field(
         default=None, metadata={"help": "dtype of gradient reductions: fp32, bf16, fp16 (default: the params' dtype)"}
     )
+    zero_offload_optimizer: bool | None = field(
+        default=None,
+        metadata={"help": "Keep fp32 master weights, optimizer state and gradient rows in host memory (False)"},
+    )
     zero_config: str | None = field(
         default=None, metadata={"help": "Other ZeroConfig fields: a JSON object or a path to a JSON file"}
     )
@@ -69,6 +73,7 @@ class LowZeroTrainingArguments(TrainingArguments):
             "reduce_bucket_mb": self.zero_reduce_bucket_mb,
             "overlap_communication": self.zero_overlap_communication,
             "communication_dtype": self.zero_communication_dtype,
+            "offload_optimizer": self.zero_offload_optimizer,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
         base.update(stage=self.zero_stage or 2, clip_grad_norm=float(self.max_grad_norm or 0.0), **overrides)

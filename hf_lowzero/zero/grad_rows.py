@@ -64,9 +64,9 @@ class DeviceGradRows:
     def clear(self) -> None:
         pass
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.nbytes
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer this store holds (for the memory report)."""
+        return [self.flat]
 
 
 class HostGradRows(DeviceGradRows):
@@ -135,9 +135,8 @@ class HostGradRows(DeviceGradRows):
             if event is not None:
                 event.synchronize()  # the staging buffer may be written again only after the copy
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.nbytes + sum(s.nbytes for s in self._staging.values())
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat, *self._staging.values()]
 
 
 def make_grad_rows(buckets: list[Bucket], device: torch.device, offload: bool, pin_memory: bool):

@@ -1,20 +1,35 @@
-"""Per-rank memory accounting, measured from live tensors (bytes are deterministic)."""
+"""Per-rank memory accounting, measured from live tensors (bytes are deterministic).
+
+Example::
+
+    >>> report = opt.memory_report()
+    >>> report.model_state_bytes, report.by_device     # e.g. {"cuda:0": ..., "cpu": ...} with offload
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: dict[int, int] = {}
+def bytes_by_device(tensors: Iterable[torch.Tensor]) -> Counter:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once), per device."""
+    seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    placed: Counter = Counter()
+    for (device, _), nbytes in seen.items():
+        placed[device] += nbytes
+    return placed
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``, all devices together."""
+    return sum(bytes_by_device(tensors).values())
 
 
 @dataclass(frozen=True)
@@ -22,13 +37,10 @@ class MemoryReport:
     """Bytes one rank holds.
 
     ``grads`` are full-size ``p.grad`` tensors still alive; ``grad_buffers`` the optimizer's own
-    gradient storage (stage 1: full bucket buffers; stage 2: fp32 gradient rows plus buckets in
-    flight). ``model_state_bytes`` is the ZeRO paper's "model states": params + gradients +
-    optimizer states (master rows included).
-
-    Example::
-
-        >>> print(opt.memory_report().as_mib())
+    gradient storage (fp32 gradient rows, host staging buffers with offload, buckets in flight).
+    ``model_state_bytes`` is the ZeRO paper's "model states": params + gradients + optimizer
+    states (master rows included). ``by_device`` splits all of it by device: with
+    ``offload_optimizer`` the master rows, optimizer state and gradient rows sit on ``"cpu"``.
     """
 
     params: int
@@ -37,11 +49,22 @@ class MemoryReport:
     master_rows: int
     optimizer_state: int
     buffers: int
+    by_device: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def measure(cls, **parts: Counter) -> MemoryReport:
+        """A report from per-device byte counts of each part (the field names)."""
+        total: Counter = Counter()
+        for placed in parts.values():
+            total.update(placed)
+        return cls(**{name: sum(placed.values()) for name, placed in parts.items()}, by_device=dict(total))
 
     @property
     def model_state_bytes(self) -> int:
         return self.params + self.grads + self.grad_buffers + self.master_rows + self.optimizer_state
 
     def as_mib(self) -> dict[str, float]:
-        fields = asdict(self) | {"model_state_bytes": self.model_state_bytes}
-        return {k: round(v / 2**20, 3) for k, v in fields.items()}
+        sizes = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "by_device"}
+        sizes["model_state_bytes"] = self.model_state_bytes
+        sizes |= {f"on {device}": nbytes for device, nbytes in self.by_device.items()}
+        return {k: round(v / 2**20, 3) for k, v in sizes.items()}

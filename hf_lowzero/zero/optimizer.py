@@ -42,10 +42,10 @@ from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
-from hf_lowzero.zero.inner import check_inner_optimizer
+from hf_lowzero.zero.inner import check_inner_optimizer, prefer_fused_on_cpu
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
-from hf_lowzero.zero.memory import MemoryReport, tensor_bytes
+from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
 from hf_lowzero.zero.params import check_unchanged, managed_slots
 from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
 from hf_lowzero.zero.stages import BucketReducer
@@ -103,6 +103,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin
         )
 
+        if self.master.flat.device.type == "cpu":
+            prefer_fused_on_cpu(optimizer)
         slot_of = {id(slot.param): slot for slot in self.slots}
         self._groups = ParamGroups(optimizer)
         self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
@@ -405,15 +407,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return [slot.param for slot in self.slots]
 
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds right now, measured from the live tensors."""
+        """Bytes this rank holds right now, per part and per device, measured from the live tensors."""
         managed = {id(slot.param) for slot in self.slots}
-        return MemoryReport(
-            params=tensor_bytes(self.model.parameters()),
-            grads=tensor_bytes(p.grad for p in self.model.parameters() if id(p) in managed and p.grad is not None),
+        state = (v for entry in self.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+        return MemoryReport.measure(
+            params=bytes_by_device(self.model.parameters()),
+            grads=bytes_by_device(p.grad for p in self.model.parameters() if id(p) in managed and p.grad is not None),
             grad_buffers=self.reducer.buffer_bytes(),
-            master_rows=self.master.flat.nbytes,
-            optimizer_state=tensor_bytes(
-                v for state in self.optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)
-            ),
-            buffers=tensor_bytes(self.model.buffers()),
+            master_rows=bytes_by_device([self.master.flat]),
+            optimizer_state=bytes_by_device(state),
+            buffers=bytes_by_device(self.model.buffers()),
         )

@@ -23,11 +23,14 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.grad_rows import DeviceGradRows
+from hf_lowzero.zero.memory import bytes_by_device
 
 
 def pack_bucket(bucket: Bucket, flat: torch.Tensor, world_size: int) -> None:
@@ -88,9 +91,11 @@ class BucketReducer:
         """This rank's averaged gradient rows of ``bucket`` (1D fp32, ``row_numel``), or None."""
         return self.store.rows(bucket) if bucket.has_grads else None
 
-    def buffer_bytes(self) -> int:
-        """Bytes of gradient storage right now: the rows plus buckets in flight."""
-        return self.store.nbytes + self._in_flight_bytes
+    def buffer_bytes(self) -> Counter:
+        """Bytes of gradient storage right now, per device: the rows plus buckets in flight."""
+        placed = bytes_by_device(self.store.tensors())
+        placed[str(self.buckets[0].device)] += self._in_flight_bytes
+        return placed
 
     def clear(self) -> None:
         """Forget all gradients (after ``step`` or on ``zero_grad``)."""
