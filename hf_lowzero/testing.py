@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,13 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs) -> None:
     # connections can abort the peer ("terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
+    # Even so, gloo's background threads can outlive the group and abort the interpreter's own
+    # shutdown with that message (measured with torch 2.13: about 1 spawn in 10 to 50 under load,
+    # with this library's code before and after the current changes; 0 in 80 with this exit).
+    # This rank's work is done and checked: leave without running the shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, **kwargs) -> None:
