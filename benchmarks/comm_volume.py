@@ -19,9 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, gpt2, write_results  # noqa: E402
+from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.testing import run_distributed  # noqa: E402
 from hf_lowzero.zero.comm import comm_stats  # noqa: E402
 
 
@@ -54,12 +53,9 @@ def body(rank: int, world_size: int, out: str) -> None:
 
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "_comm.json"
     rows = []
     for world in (2, 4):
-        run_distributed(body, world, out=str(out))
-        rows += json.loads(out.read_text())
-    out.unlink()
+        rows += collect(body, world)
     cols = ["world_size", "stage", "micro_batches", "params_M", "all_reduce_MiB", "reduce_scatter_MiB",
             "all_gather_MiB", "sent_MiB", "minimum_MiB", "vs_minimum"]  # fmt: skip
     header = (

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import resource
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from hf_lowzero.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,8 +42,29 @@ class ManySmall(nn.Module):
         return x
 
 
+def reset_peak_rss() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to clear_refs resets VmHWM to the current RSS)."""
+    gc.collect()
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_rss_bytes() -> int:
+    """The process's peak resident memory since :func:`reset_peak_rss` (or since it started)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def collect(body, world_size: int, **kwargs):
+    """Run ``body(rank, world_size, out=PATH, **kwargs)`` on ``world_size`` ranks (gloo) and return
+    the JSON that rank 0 wrote to ``PATH``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        run_distributed(body, world_size, out=str(out), **kwargs)
+        return json.loads(out.read_text())
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
@@ -55,3 +81,26 @@ def write_results(name: str, rows: list[dict], columns: list[str], header: str) 
     (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}")
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
     return table
+
+
+def bar_plot(path: Path, labels: list[str], values: list[float], spans=None, xlabel="", title="", ref=1.0) -> None:
+    """A horizontal bar chart (PNG) of ``values`` with optional (low, high) ``spans`` as error bars
+    and a reference line at ``ref``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1.2))
+    xerr = None
+    if spans is not None:
+        xerr = [[v - lo for v, (lo, _) in zip(values, spans)], [hi - v for v, (_, hi) in zip(values, spans)]]
+    ax.barh(labels, values, xerr=xerr, color="tab:blue", ecolor="k")
+    if ref is not None:
+        ax.axvline(ref, color="k", lw=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

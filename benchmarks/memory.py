@@ -2,16 +2,24 @@
 
     python benchmarks/memory.py            # world sizes 1, 2, 4; fp32 and bf16; ~23M-param GPT-2
 
-Model-state bytes come from the live tensors after one training step (params + gradients +
-optimizer state, master rows included; for DDP its params, .grad and AdamW state, not its reducer
-buckets). Peak RSS is the whole process (torch runtime included). The formulas, with Adam
-(K = 12 bytes/param: fp32 master + 2 moments) and p bytes per param: DDP (fp32) 16Ψ;
-stage 1 2pΨ + 12Ψ/W; stage 2 pΨ + 16Ψ/W (fp32 gradient rows). Writes results/memory.md,
-results/memory.json and results/memory.png.
+Model-state bytes come from the live tensors after two training steps, with the gradients of the
+next backward held (params + gradients + optimizer state, master rows included; for DDP its
+params, .grad and AdamW state, not its reducer buckets). comm_buffers_MiB is ZeRO's pooled
+communication scratch (reported by memory_report(), bounded by the buckets in flight). peak_train_rss_MiB
+is the process's peak resident memory over the two steps (2 micro-batches each, the first under
+no_sync() for DDP and stage 1, as Trainer runs them), measured from a VmHWM reset taken after the
+model is built: torch runtime and params included, import and init transients not; peak_vs_ddp
+divides it by DDP's. The formulas, with Adam (K = 12 bytes/param: fp32
+master + 2 moments) and p bytes per param: DDP (fp32) 16Ψ; stage 1 and stage 2 pΨ + 16Ψ/W (fp32
+gradient rows; both reduce-scatter); stage 1 while accumulating under no_sync() 2pΨ + 16Ψ/W (the
+full local gradients). "frozen" freezes all but the attention projections (a LoRA-like Ψ_t of
+trainable params): pΨ + 16Ψ_t/W, frozen params add nothing to gradients or optimizer state.
+Writes results/memory.md, results/memory.json and results/memory.png.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -21,90 +29,120 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from benchmarks.common import RESULTS, gpt2, peak_rss_bytes, write_results  # noqa: E402
+from benchmarks.common import RESULTS, bar_plot, collect, gpt2, peak_rss_bytes, reset_peak_rss, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.testing import run_distributed  # noqa: E402
 from hf_lowzero.zero.memory import tensor_bytes  # noqa: E402
 
-N_LAYER, N_EMBD = 6, 512
+SMALL = (6, 512, 8192)  # n_layer, n_embd, vocab: ~23M params, for the formula table
+GPT2_124M = (12, 768, 50257)  # the GPT-2 124M shape, for the peak-RSS table
+STEPS = 2  # optimizer steps, each of 2 micro-batches (gradient accumulation)
 
 
-def formula(mode: str, dtype: str, psi: int, world: int) -> float:
+def formula(mode: str, dtype: str, psi: int, trainable: int, world: int) -> float:
     p = 2 if dtype == "bf16" else 4  # bytes of a param (and of its full gradient)
     if mode == "ddp":
         return 16 * psi  # fp32 params, fp32 grads, AdamW's two fp32 moments
-    if mode == "zero1":
-        return 2 * p * psi + 12 * psi / world  # params + full grads + (master + 2 moments) / W
-    return p * psi + 16 * psi / world  # params + (fp32 grad rows + master + 2 moments) / W
+    full_grads = p * psi if mode == "zero1_no_sync" else 0  # accumulating locally: full gradients
+    return p * psi + full_grads + 16 * trainable / world  # params + (fp32 grad rows + master + moments) / W
 
 
-def body(rank: int, world_size: int, mode: str, dtype: str, out: str) -> None:
-    model = gpt2(N_LAYER, N_EMBD)
+def body(rank: int, world_size: int, mode: str, dtype: str, out: str, size: tuple[int, int, int] = SMALL) -> None:
+    model = gpt2(*size)
+    if mode == "zero2_frozen":
+        for name, p in model.named_parameters():
+            p.requires_grad_("attn.c_attn" in name)
     psi = sum(p.numel() for p in model.parameters())
-    x = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(rank))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    xs = [torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(rank + 10 * i)) for i in range(2)]
+    if dtype == "bf16":
+        model.bfloat16()
+    reset_peak_rss()  # the training peak: wrapping, optimizer state, buckets, activations
     if mode == "ddp":
-        ddp = DDP(model)
-        opt = torch.optim.AdamW(ddp.parameters())
-        ddp(input_ids=x, labels=x).loss.backward()
+        module = DDP(model)
+        opt = torch.optim.AdamW(module.parameters())
+        backward, no_sync = (lambda loss: loss.backward()), module.no_sync
+    else:
+        module = model
+        opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad),
+                                    stage=int(mode[4]))  # fmt: skip
+        backward = opt.backward
+        no_sync = opt.no_sync if mode.startswith("zero1") else contextlib.nullcontext
+    for _ in range(STEPS):  # ACCUMULATION micro-batches per step; the first ones under no_sync
+        for i, x in enumerate(xs):
+            with no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
+                backward(module(input_ids=x, labels=x).loss / len(xs))
         opt.step()
+        opt.zero_grad()
+    peak = peak_rss_bytes()
+    # Model states with the gradients of a next backward held (under no_sync for "zero1_no_sync").
+    with no_sync() if mode == "zero1_no_sync" else contextlib.nullcontext():
+        backward(module(input_ids=xs[0], labels=xs[0]).loss)
+    comm = 0
+    if mode == "ddp":
         states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         model_state = (
             tensor_bytes(model.parameters()) + tensor_bytes(p.grad for p in model.parameters()) + tensor_bytes(states)
         )
     else:
-        if dtype == "bf16":
-            model.bfloat16()
-        opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=int(mode[-1]))
-        opt.backward(model(input_ids=x, labels=x).loss)
-        report_after_backward = opt.memory_report()  # stage 2 holds its fp32 gradient rows here
-        opt.step()
-        model_state = max(report_after_backward.model_state_bytes, opt.memory_report().model_state_bytes)
+        report = opt.memory_report()
+        model_state, comm = report.model_state_bytes, report.comm_buffers
     if rank == 0:
         row = {
             "mode": mode, "dtype": dtype if mode != "ddp" else "fp32", "world_size": world_size, "params_M": psi / 1e6,
-            "model_state_MiB": model_state / 2**20, "formula_MiB": formula(mode, dtype, psi, world_size) / 2**20,
-            "peak_rss_MiB": peak_rss_bytes() / 2**20,
+            "trainable_M": trainable / 1e6, "model_state_MiB": model_state / 2**20,
+            "formula_MiB": formula(mode, dtype, psi, trainable, world_size) / 2**20, "comm_buffers_MiB": comm / 2**20,
+            "peak_train_rss_MiB": peak / 2**20,
         }  # fmt: skip
         Path(out).write_text(json.dumps(row))
 
 
+def run(world: int, mode: str, dtype: str, size: tuple[int, int, int], rows: list[dict]) -> dict:
+    row = collect(body, world, mode=mode, dtype=dtype, size=size)
+    ddp = next((r for r in rows if r["mode"] == "ddp" and r["world_size"] == world), row)
+    row["vs_ddp"] = row["model_state_MiB"] / ddp["model_state_MiB"]
+    row["vs_formula"] = row["model_state_MiB"] / row["formula_MiB"]
+    row["peak_vs_ddp"] = row["peak_train_rss_MiB"] / ddp["peak_train_rss_MiB"]
+    rows.append(row)
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
-    rows = []
-    out = RESULTS / "_row.txt"
+    modes = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero1_no_sync", "fp32")]
+    modes += [("zero2_frozen", "fp32"), ("zero1", "bf16"), ("zero2", "bf16")]
+    rows: list[dict] = []
     for world in (1, 2, 4):
-        for mode, dtype in [
-            ("ddp", "fp32"),
-            ("zero1", "fp32"),
-            ("zero2", "fp32"),
-            ("zero1", "bf16"),
-            ("zero2", "bf16"),
-        ]:
-            run_distributed(body, world, mode=mode, dtype=dtype, out=str(out))
-            row = json.loads(out.read_text())
-            ddp = next((r for r in rows if r["mode"] == "ddp" and r["world_size"] == world), row)
-            row["vs_ddp"] = row["model_state_MiB"] / ddp["model_state_MiB"]
-            row["vs_formula"] = row["model_state_MiB"] / row["formula_MiB"]
-            rows.append(row)
-            print(row, flush=True)
-    out.unlink()
-    cols = [
-        "mode",
-        "dtype",
-        "world_size",
-        "params_M",
-        "model_state_MiB",
-        "formula_MiB",
-        "vs_formula",
-        "vs_ddp",
-        "peak_rss_MiB",
-    ]
+        for mode, dtype in modes:
+            run(world, mode, dtype, SMALL, rows)
+    cols = ["mode", "dtype", "world_size", "params_M", "trainable_M", "model_state_MiB", "formula_MiB"]
+    cols += ["vs_formula", "vs_ddp", "comm_buffers_MiB", "peak_train_rss_MiB", "peak_vs_ddp"]
+    n_layer, n_embd, _ = SMALL
     header = (
-        f"# Per-rank memory, GPT-2 {N_LAYER}x{N_EMBD} (AdamW), after one step\n\n"
+        f"# Per-rank memory, GPT-2 {n_layer}x{n_embd} (AdamW), after two steps, gradients held\n\n"
         "`python benchmarks/memory.py`; vs_ddp = model-state bytes / DDP's at the same world size."
     )
     print(write_results("memory", rows, cols, header))
     plot(rows)
+
+    peak_rows: list[dict] = []
+    for world in (2, 4):
+        for mode, dtype in [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero2", "bf16")]:
+            run(world, mode, dtype, GPT2_124M, peak_rows)
+    header = (
+        "# Peak resident memory per rank while training, GPT-2 124M shape (AdamW, 2 micro-batches per step)\n\n"
+        "`python benchmarks/memory.py`; peak_vs_ddp = peak_train_rss_MiB / DDP's at the same world size "
+        "(whole process: ~480 MiB of torch/transformers runtime included in every row)."
+    )
+    cols = ["mode", "dtype", "world_size", "params_M", "model_state_MiB", "formula_MiB", "comm_buffers_MiB"]
+    print(write_results("memory_peak", peak_rows, cols + ["peak_train_rss_MiB", "peak_vs_ddp"], header))
+    bar_plot(
+        RESULTS / "memory_peak.png",
+        [f"W={r['world_size']} {r['mode']} {r['dtype']}" for r in peak_rows],
+        [r["peak_vs_ddp"] for r in peak_rows],
+        xlabel="peak RSS per rank while training / DDP's (lower is less memory)",
+        title="GPT-2 124M shape, CPU/gloo",
+    )
 
 
 def plot(rows: list[dict]) -> None:

@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import RESULTS, gpt2, write_results  # noqa: E402
+from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.testing import run_distributed  # noqa: E402
 
 ROUNDS, STEPS, WARMUP = 15, 3, 2
 
@@ -190,10 +189,7 @@ def gpu_part() -> list[dict]:
 
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "_offload.json"
-    run_distributed(cpu_overhead_body, 2, out=str(out))
-    rows = json.loads(out.read_text())
-    out.unlink()
+    rows = collect(cpu_overhead_body, 2)
     rows += host_kernels()
     if torch.cuda.is_available():
         rows += gpu_part()

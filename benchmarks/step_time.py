@@ -1,18 +1,26 @@
-"""Step time of ZeRO stage 1/2 against DDP, ZeroRedundancyOptimizer and FSDP2, world size 2 on CPU.
+"""Step time of ZeRO stage 1/2 against DDP, world size 2 on CPU, setups interleaved.
 
-    python benchmarks/step_time.py
+    python benchmarks/step_time.py              # ~6 min; results/step_time.{md,json,png}
 
-Each setup trains the same model in the same invocation (gloo, 2 ranks, 1 thread each); the
-number is the median wall time of an optimizer step over 10 steps after 3 warm-up steps, and the
-ratio is against DDP's median in the same run. Two models: a ~5M-param GPT-2 and a model of 300
-tiny Linear layers (600 parameters) that exposes per-parameter overhead.
-Writes results/step_time.md, results/step_time.json and results/step_time.png.
+All setups of one model live in the same process group and are timed in turns, A B C A B C ...,
+ROUNDS rounds of STEPS optimizer steps each (after warm-up), so that a machine that drifts or
+hiccups affects every setup alike. Reported: the median step time over rounds, and the ratio to
+the DDP baseline of the same model computed per round (median, min, max).
+
+Baselines: ``ddp`` is DDP with ``torch.optim.AdamW(model.parameters())`` as a user writes it
+(torch's default kernel on CPU: the for-loop); ``ddp_fused`` gives DDP the fused AdamW kernel
+that ZeRO picks for its host rows, to separate the kernel choice from the sharding. Models:
+GPT-2 4x256 (5.6M params, 52 tensors), 300 tiny Linear layers (600 tensors) and 1000 of them
+(2000 tensors), which expose per-parameter overhead. ``ms_our_python`` is the self time of
+hf_lowzero's own Python functions per step (cProfile over extra steps, outside the timed rounds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -24,131 +32,127 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from benchmarks.common import RESULTS, ManySmall, gpt2, write_results  # noqa: E402
+from benchmarks.common import RESULTS, ManySmall, bar_plot, collect, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.testing import run_distributed  # noqa: E402
 
-WARMUP, STEPS = 3, 10
-
-
-def setups():
-    """name -> (micro-batches, builder(model) -> (forward_module, backward(loss), step(), no_sync ctx))."""
-
-    def ddp(model):
-        m = DDP(model)
-        opt = torch.optim.AdamW(m.parameters())
-        return m, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), m.no_sync
-
-    def zero(stage, overlap):
-        def build(model):
-            opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=stage,
-                                        overlap_communication=overlap)  # fmt: skip
-            no_sync = opt.no_sync if stage == 1 else contextlib.nullcontext
-            return model, opt.backward, lambda: (opt.step(), opt.zero_grad()), no_sync
-
-        return build
-
-    def zero_redundancy(model):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        m = DDP(model)
-        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW)
-        return m, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), m.no_sync
-
-    def fsdp2(model):
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, reshard_after_forward=False)
-        opt = torch.optim.AdamW(model.parameters())
-        return model, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), contextlib.nullcontext
-
-    return {
-        "ddp": (1, ddp),
-        "zero1": (1, zero(1, True)),
-        "zero1_no_overlap": (1, zero(1, False)),
-        "zero2": (1, zero(2, True)),
-        "zero2_no_overlap": (1, zero(2, False)),
-        "torch_ZeroRedundancyOptimizer": (1, zero_redundancy),
-        "fsdp2_no_reshard": (1, fsdp2),
-        "ddp_accum4": (4, ddp),
-        "zero1_accum4": (4, zero(1, True)),
-        "zero2_accum4": (4, zero(2, True)),
-    }
+ROUNDS, STEPS, WARMUP, PROFILED = 9, 3, 2, 3
+PACKAGE = str(Path(__file__).resolve().parents[1] / "hf_lowzero")
 
 
-def batches(kind: str, rank: int, n: int):
+class Setup:
+    """One way to train a model: forward module, backward, step, and no_sync for accumulation."""
+
+    def __init__(self, name: str, model: torch.nn.Module, micro: int) -> None:
+        self.name, self.micro = name, micro
+        if name.startswith("ddp"):
+            self.module = DDP(model)
+            fused = {"fused": True} if name.startswith("ddp_fused") else {}
+            self.opt = torch.optim.AdamW(self.module.parameters(), **fused)
+            self.backward = lambda loss: loss.backward()
+            self.no_sync = self.module.no_sync
+        else:
+            stage = int(name[4])
+            self.module = model
+            self.opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=stage)
+            self.backward = self.opt.backward
+            self.no_sync = self.opt.no_sync if stage == 1 else contextlib.nullcontext
+
+    def step(self, loss_of) -> None:
+        for i in range(self.micro):
+            with self.no_sync() if i < self.micro - 1 else contextlib.nullcontext():
+                self.backward(loss_of(self.module, i) / self.micro)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+MODELS = {
+    "gpt2": (lambda: gpt2(4, 256), ["ddp", "ddp_fused", "zero1", "zero2"], 1),
+    "gpt2_accum4": (lambda: gpt2(4, 256), ["ddp_accum4", "ddp_fused_accum4", "zero1_accum4", "zero2_accum4"], 4),
+    "many_small_600": (lambda: ManySmall(300), ["ddp", "ddp_fused", "zero1", "zero2"], 1),
+    "many_small_2000": (lambda: ManySmall(1000), ["ddp", "ddp_fused", "zero1", "zero2"], 1),
+}
+
+
+def loss_fn(kind: str, rank: int):
     g = torch.Generator().manual_seed(rank)
-    if kind == "gpt2":
-        return [torch.randint(0, 8192, (4, 64), generator=g) for _ in range(n)]
-    return [torch.randn(64, 16, generator=g) for _ in range(n)]
+    if kind.startswith("gpt2"):
+        xs = [torch.randint(0, 8192, (4, 64), generator=g) for _ in range(4)]
+        return lambda module, i: module(input_ids=xs[i], labels=xs[i]).loss
+    xs = [torch.randn(64, 16, generator=g) for _ in range(4)]
+    return lambda module, i: module(xs[i]).square().mean()
 
 
-def loss_of(kind, module, x):
-    return module(input_ids=x, labels=x).loss if kind == "gpt2" else module(x).square().mean()
+def our_python_ms(setup: Setup, loss_of) -> float:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(PROFILED):
+        setup.step(loss_of)
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    own = sum(v[2] for k, v in stats.items() if k[0].startswith(PACKAGE))
+    return 1000 * own / PROFILED
 
 
 def body(rank: int, world_size: int, out: str) -> None:
     torch.set_num_threads(1)
     rows = []
-    for kind in ("gpt2", "many_small"):
-        for name, (micro, build) in setups().items():
-            if kind == "many_small" and name not in ("ddp", "zero1", "zero2"):
-                continue
-            model = gpt2(4, 256) if kind == "gpt2" else ManySmall()
-            try:
-                module, backward, step, no_sync = build(model)
-            except Exception as e:  # a baseline that does not run here is reported, not fatal
-                rows.append({"model": kind, "setup": name, "ms_per_step": float("nan"), "vs_ddp": float("nan"),
-                             "note": f"{type(e).__name__}: {str(e)[:60]}"})  # fmt: skip
-                continue
-            data = batches(kind, rank, micro)
-            times = []
-            for i in range(WARMUP + STEPS):
+    for kind, (build, names, micro) in MODELS.items():
+        loss_of = loss_fn(kind, rank)
+        setups = [Setup(name, build(), micro) for name in names]
+        for setup in setups:
+            for _ in range(WARMUP):
+                setup.step(loss_of)
+        times = {s.name: [] for s in setups}
+        for _ in range(ROUNDS):
+            for setup in setups:
                 dist.barrier()
                 start = time.perf_counter()
-                for j, x in enumerate(data):
-                    with no_sync() if j < micro - 1 else contextlib.nullcontext():
-                        backward(loss_of(kind, module, x) / micro)
-                step()
-                if i >= WARMUP:
-                    times.append(time.perf_counter() - start)
-            rows.append({"model": kind, "setup": name, "ms_per_step": 1000 * statistics.median(times), "note": ""})
+                for _ in range(STEPS):
+                    setup.step(loss_of)
+                times[setup.name].append(1000 * (time.perf_counter() - start) / STEPS)
+        baseline = names[0]
+        for setup in setups:
+            ratios = [t / b for t, b in zip(times[setup.name], times[baseline])]
+            rows.append(
+                {
+                    "model": kind,
+                    "setup": setup.name,
+                    "ms_per_step": statistics.median(times[setup.name]),
+                    "vs_ddp": statistics.median(ratios),
+                    "vs_ddp_min": min(ratios),
+                    "vs_ddp_max": max(ratios),
+                    "ms_our_python": our_python_ms(setup, loss_of) if setup.name.startswith("zero") else "",
+                    "buckets": len(setup.opt.buckets) if setup.name.startswith("zero") else "",
+                }
+            )
+        del setups
     if rank == 0:
-        for row in rows:
-            baseline = "ddp_accum4" if "accum4" in row["setup"] else "ddp"
-            base = next(r for r in rows if r["model"] == row["model"] and r["setup"] == baseline)
-            row["vs_ddp"] = row["ms_per_step"] / base["ms_per_step"]
         Path(out).write_text(json.dumps(rows))
 
 
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "_time.json"
-    run_distributed(body, 2, out=str(out))
-    rows = json.loads(out.read_text())
-    out.unlink()
+    rows = collect(body, 2)
+    for row in rows:
+        ddp_fused = next(r for r in rows if r["model"] == row["model"] and r["setup"].startswith("ddp_fused"))
+        row["vs_ddp_fused"] = row["ms_per_step"] / ddp_fused["ms_per_step"]
     header = (
-        "# Step time, world size 2, CPU/gloo, 1 thread per rank (median of 10 steps)\n\n"
-        "`python benchmarks/step_time.py`; vs_ddp = time / DDP's time (DDP with the same accumulation)."
+        "# Step time, world size 2, CPU/gloo, 1 thread per rank\n\n"
+        f"`python benchmarks/step_time.py`: setups interleaved, {ROUNDS} rounds of {STEPS} steps; "
+        "vs_ddp = the per-round ratio to DDP with default AdamW (median, min, max); vs_ddp_fused = "
+        "median step time / that of DDP with fused AdamW; ms_our_python = self time of hf_lowzero's "
+        "Python per step (cProfile)."
     )
-    print(write_results("step_time", rows, ["model", "setup", "ms_per_step", "vs_ddp", "note"], header))
-    plot(rows)
-
-
-def plot(rows) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sel = [r for r in rows if r["model"] == "gpt2" and r["ms_per_step"] == r["ms_per_step"]]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh([r["setup"] for r in sel], [r["vs_ddp"] for r in sel], color="tab:blue")
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("step time / DDP step time (lower is faster)")
-    ax.set_title("GPT-2 4x256, world size 2, CPU/gloo")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "step_time.png", dpi=120)
+    columns = ["model", "setup", "ms_per_step", "vs_ddp", "vs_ddp_min", "vs_ddp_max", "vs_ddp_fused"]
+    print(write_results("step_time", rows, columns + ["ms_our_python", "buckets"], header))
+    bar_plot(
+        RESULTS / "step_time.png",
+        [f"{r['model']} {r['setup']}" for r in rows],
+        [r["vs_ddp"] for r in rows],
+        [(r["vs_ddp_min"], r["vs_ddp_max"]) for r in rows],
+        xlabel="step time / DDP (default AdamW), median of rounds (lower is faster)",
+        title="World size 2, CPU/gloo",
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The static bucket plan, the rank-major layout and plan-order launching (pure, single process)."""
 
+import pytest
 import torch
 from torch import nn
 
 from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
+from hf_lowzero.zero.master import unpack_bucket
 from hf_lowzero.zero.partition import ParamShard
 from hf_lowzero.zero.stages import pack_bucket
 
@@ -59,6 +61,23 @@ def test_pack_is_rank_major_padded_and_frees_grads():
     assert all(s.param.grad is None for s in slots)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_unpack_inverts_pack_for_padded_and_unpadded_params(world_size):
+    slots = make_slots([(17, 5), (4,), (2, 2), (8, 3), (1,)], world_size)
+    values = [torch.randn_like(s.param) for s in slots]
+    for s, v in zip(slots, values):
+        s.param.grad = v.clone()
+    (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
+    flat = torch.full((world_size * bucket.row_numel,), float("nan"))
+    pack_bucket(bucket, flat, world_size)
+    with torch.no_grad():
+        for s in slots:
+            s.param.zero_()
+    unpack_bucket(bucket, flat * world_size, world_size)
+    for s, v in zip(slots, values):
+        torch.testing.assert_close(s.param, v, rtol=1e-6, atol=1e-6)
+
+
 def test_launcher_launches_in_plan_order_whatever_the_ready_order():
     slots = make_slots([(4,)] * 6, world_size=1)
     buckets = plan_buckets(slots, bucket_bytes=4 * 8, comm_dtype=None)  # two params per bucket
@@ -83,7 +102,7 @@ def test_launcher_launches_in_plan_order_whatever_the_ready_order():
     assert [e for e in events if e[0] == "launch"] == [("launch", 0), ("launch", 1), ("launch", 2)]
     assert events.index(("finish", 0)) < events.index(("launch", 2))  # at most two in flight
     assert sorted(e for e in events if e[0] == "finish") == [("finish", i) for i in range(3)]
-    assert all(b.state is BucketState.WAITING and not b.ready for b in buckets)
+    assert all(b.state is BucketState.WAITING and b.pending == len(b.slots) for b in buckets)
 
 
 def test_launcher_without_overlap_waits_for_each_bucket():

@@ -5,6 +5,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.zero.backward import MAX_IN_FLIGHT
 from tests.models import BranchyNet, batch, make_inner
 
 
@@ -23,11 +24,19 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     opt.backward(mse_loss(model(x), y))
     report = opt.memory_report()
     assert report.grads == 0, "full gradients are freed once bucketed"
-    # Both stages keep only this rank's fp32 gradient rows once the buckets are reduced.
+    # Both stages keep only this rank's fp32 gradient rows once the buckets are reduced. The
+    # communication scratch is reported on its own, bounded by the buckets in flight (not by
+    # their number).
     assert report.grad_buffers == 4 * rows
+    assert report.comm_buffers == sum(t.nbytes for t in opt.reducer.pool.tensors()) > 0
+    # fp32: a bucket in flight holds its packed gradients and (W > 1) a receive buffer.
+    largest_bucket = max(b.row_numel for b in opt.buckets) * world_size * 4
+    assert len(opt.buckets) > 3 * MAX_IN_FLIGHT and report.comm_buffers <= 2 * MAX_IN_FLIGHT * largest_bucket
 
-    opt.step()
+    opt.step()  # the all-gathers reuse the pool: it does not grow
     report = opt.memory_report()
+    assert len(opt.reducer.pool.tensors()) <= 2 * MAX_IN_FLIGHT
+    assert report.comm_buffers <= 2 * MAX_IN_FLIGHT * largest_bucket
     used = [s for s in opt.slots if not s.name.startswith("never.")]
     exp_avg_and_sq = sum(2 * 4 * s.shard.shard_numel for s in used)
     step_counters = 4 * len(used)  # AdamW keeps a float32 scalar step per param it has stepped

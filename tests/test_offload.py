@@ -72,7 +72,8 @@ def parity_body(rank, world_size, tmp):
                 assert torch.equal(p, q), f"{where} step {step} param {i}"
         assert all(v.device.type == "cpu" for s in offloaded.optim.state.values() for v in s.values())
         report = offloaded.memory_report()
-        assert sum(report.by_device.values()) == report.model_state_bytes + report.buffers
+        held = report.model_state_bytes + report.buffers + report.comm_buffers
+        assert sum(report.by_device.values()) == held
 
         # Checkpoints are interchangeable: saved with offload, loaded without (and back).
         save_checkpoint(offloaded, f"{tmp}/{stage}-{dtype}-offload")

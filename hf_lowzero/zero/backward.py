@@ -3,7 +3,7 @@ flush, ``no_sync`` bookkeeping, and recovery from a backward that raised.
 
 Example::
 
-    sync = BackwardSync(slots, buckets, reducer, overlap=True, guard=lambda: check_unchanged(slots))
+    sync = BackwardSync(slots, buckets, reducer, overlap=True, guard=WrapGuard(slots).check)
     loss.backward()        # hooks launch complete buckets; the queued callback flushes the rest
     sync.reset()           # after a backward that raised: wait for its collectives, forget it
 
@@ -60,35 +60,39 @@ class BackwardSync:
         return self._flush_queued or self.launcher.mid_backward
 
     def _hook_for(self, slot: ParamSlot):
+        # Runs once per parameter per backward: kept to a few attribute updates (see
+        # benchmarks/step_time.py, ms_our_python); the bucket work happens once per bucket.
+        bucket = self.buckets[slot.bucket_index]
+        index = slot.index
+
         def hook(_param: torch.Tensor) -> None:
-            self.on_grad_ready(slot)
+            self.grad_version += 1
+            self.locally_used[index] = True
+            if not self.enabled:
+                self.unsynced_local_grads = True
+                return
+            if not self.explicit and not self._flush_queued:
+                self._queue_flush()
+            if bucket.state is not BucketState.WAITING:
+                raise RuntimeError(
+                    f"gradient of {slot.name!r} arrived after its bucket was already reduced in this "
+                    "backward. Either a parameter is reached twice through reentrant autograd (use "
+                    "non-reentrant activation checkpointing, use_reentrant=False), or an earlier backward "
+                    "raised and was not followed by optimizer.zero_grad()."
+                )
+            self.launcher.mark_ready(slot)
+            if bucket.pending == 0 and self.overlap:
+                self.launcher.launch_ready()
 
         return hook
 
-    def on_grad_ready(self, slot: ParamSlot) -> None:
-        self.grad_version += 1
-        self.locally_used[slot.index] = True
-        if not self.enabled:
-            self.unsynced_local_grads = True
-            return
-        if not self.explicit and not self._flush_queued:
-            # A bare loss.backward(): flush from an end-of-backward callback, queued by the first
-            # hook. (Inside opt.backward() the flush runs after autograd returns, so the flush
-            # never lands at the end of a nested, reentrant-checkpointing backward instead.)
-            self._guard()
-            self._flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket = self.buckets[slot.bucket_index]
-        if bucket.state is not BucketState.WAITING:
-            raise RuntimeError(
-                f"gradient of {slot.name!r} arrived after its bucket was already reduced in this "
-                "backward. Either a parameter is reached twice through reentrant autograd (use "
-                "non-reentrant activation checkpointing, use_reentrant=False), or an earlier backward "
-                "raised and was not followed by optimizer.zero_grad()."
-            )
-        self.launcher.mark_ready(slot)
-        if self.overlap:
-            self.launcher.launch_ready()
+    def _queue_flush(self) -> None:
+        # A bare loss.backward(): flush from an end-of-backward callback, queued by the first
+        # hook. (Inside opt.backward() the flush runs after autograd returns, so the flush
+        # never lands at the end of a nested, reentrant-checkpointing backward instead.)
+        self._guard()
+        self._flush_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._flush_queued = False

@@ -43,14 +43,18 @@ class Bucket:
     row_numel: int = 0
     row_offset: int = 0
     state: BucketState = BucketState.WAITING
-    ready: set[int] = field(default_factory=set)  # slot indices whose grad is final this backward
+    pending: int = 0  # params whose gradient has not arrived in this backward
     has_grads: bool = False  # holds reduced gradients since the last step (accumulation)
     work: object = None  # async handle while REDUCING
     scratch: tuple = ()  # tensors a collective in flight writes to or reads from
 
     @property
     def is_complete(self) -> bool:
-        return len(self.ready) == len(self.slots)
+        return self.pending == 0
+
+    def expect_all(self) -> None:
+        """A new backward: every param's gradient is outstanding."""
+        self.pending = len(self.slots)
 
     def transition(self, old: BucketState, new: BucketState) -> None:
         assert self.state is old, f"bucket {self.index}: expected state {old}, found {self.state}"
@@ -109,9 +113,11 @@ class PlanOrderLauncher:
         self.max_in_flight = max_in_flight
         self.next_bucket = 0  # plan position of the next bucket to launch in this backward
         self.in_flight: deque[Bucket] = deque()
+        for bucket in buckets:
+            bucket.expect_all()
 
     def mark_ready(self, slot: ParamSlot) -> None:
-        self.buckets[slot.bucket_index].ready.add(slot.index)
+        self.buckets[slot.bucket_index].pending -= 1
 
     def launch_ready(self) -> None:
         """Launch, in plan order, every leading bucket whose params are all ready."""
@@ -127,7 +133,7 @@ class PlanOrderLauncher:
         self.wait_all()
         self.next_bucket = 0
         for bucket in self.buckets:
-            bucket.ready.clear()
+            bucket.expect_all()
             bucket.transition(BucketState.REDUCED, BucketState.WAITING)
 
     def wait_all(self) -> None:
@@ -137,7 +143,7 @@ class PlanOrderLauncher:
     @property
     def mid_backward(self) -> bool:
         """Some bucket of the current backward is ready or launched but the flush has not run."""
-        return self.next_bucket > 0 or any(bucket.ready for bucket in self.buckets)
+        return self.next_bucket > 0 or any(bucket.pending != len(bucket.slots) for bucket in self.buckets)
 
     def reset(self) -> None:
         """Forget a backward that never finished (it raised): wait for the collectives it started,
@@ -146,7 +152,7 @@ class PlanOrderLauncher:
         self.wait_all()
         self.next_bucket = 0
         for bucket in self.buckets:
-            bucket.ready.clear()
+            bucket.expect_all()
             bucket.state = BucketState.WAITING
 
     def _launch_next(self) -> None:

@@ -73,10 +73,55 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
-    """Sum ``input`` (1D, rank-major, ``W * output.numel()``) over ranks; rank r receives chunk r."""
-    comm_stats.record("reduce_scatter", _nbytes(input), group_size(group))
-    return _reduce_scatter_impl(output, input, group=group, async_op=async_op)
+class _SumOnWait:
+    """Work handle of a reduce-scatter done as an all-to-all: ``wait()`` waits for the exchange,
+    then sums the W chunks received (one from each rank, all for this rank) into ``output``,
+    which may be the first chunk of the receive buffer itself (then it adds in place)."""
+
+    def __init__(self, work, received: torch.Tensor, output: torch.Tensor, world_size: int) -> None:
+        self.work, self.received, self.output, self.world_size = work, received, output, world_size
+
+    def wait(self) -> None:
+        self.work.wait()
+        chunks = self.received.view(self.world_size, -1)
+        if self.output.data_ptr() == chunks.data_ptr():
+            for chunk in chunks[1:]:
+                self.output.add_(chunk)
+        else:
+            torch.sum(chunks, dim=0, out=self.output)
+
+
+def reduce_scatter_uses_workspace(group: ProcessGroup | None) -> bool:
+    """Whether :func:`reduce_scatter` on ``group`` receives into a workspace (gloo, W > 1)."""
+    return dist.get_backend(group) == "gloo" and group_size(group) > 1
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    async_op: bool = False,
+    workspace: torch.Tensor | None = None,
+):
+    """Sum ``input`` (1D, rank-major, ``W * output.numel()``) over ranks; rank r receives chunk r.
+
+    On gloo it is an all-to-all of the chunks plus a local sum: the same (W-1)/W bytes per rank
+    as a reduce-scatter, and 2-3x faster than gloo's own reduce-scatter (which is slower than its
+    all-reduce). It receives into ``workspace`` (like ``input``; allocated when None), which must
+    stay untouched until the work is waited for; ``output`` may be ``workspace``'s first chunk.
+    NCCL and other backends use their native reduce-scatter.
+    """
+    world_size = group_size(group)
+    comm_stats.record("reduce_scatter", _nbytes(input), world_size)
+    if not reduce_scatter_uses_workspace(group):
+        return _reduce_scatter_impl(output, input, group=group, async_op=async_op)
+    received = torch.empty_like(input) if workspace is None else workspace
+    work = dist.all_to_all_single(received, input, group=group, async_op=True)
+    pending = _SumOnWait(work, received, output, world_size)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from hf_lowzero.zero.buckets import Bucket
+from hf_lowzero.zero.params import ParamSlot
 
 MASTER_DTYPE = torch.float32
 
@@ -47,6 +48,10 @@ class DeviceGradRows:
 
     def view(self, bucket: Bucket) -> torch.Tensor:
         return self.flat[bucket.row_offset : bucket.row_offset + bucket.row_numel]
+
+    def view_of(self, slot: ParamSlot) -> torch.Tensor:
+        """One param's rows (1D, ``shard_numel``); valid for the store's lifetime."""
+        return self.flat[slot.row_offset : slot.row_offset + slot.shard.shard_numel]
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         """Where a collective may write its result itself (saving a copy), or None."""

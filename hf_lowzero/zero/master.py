@@ -6,7 +6,7 @@ inner optimizer then steps them.
 
 Example::
 
-    master = MasterRows(slots, buckets, rank, world_size, group, device, offload=False, pin_memory=True)
+    master = MasterRows(slots, buckets, rank, world_size, group, device, offload=False, pin_memory=True, pool=pool)
     master.rows[slot.index]        # 1D fp32 view, shard_numel long (padding included)
     master.copy_to_params()        # all-gather the rows back into every rank's params (collective)
 """
@@ -14,9 +14,11 @@ Example::
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket
+from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.grad_rows import MASTER_DTYPE, host_buffer
 from hf_lowzero.zero.params import ParamSlot
 
@@ -34,15 +36,18 @@ class MasterRows:
         device: torch.device,
         offload: bool,
         pin_memory: bool,
+        pool: BufferPool,
     ) -> None:
         self.slots, self.buckets = slots, buckets
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.pool = pool
         total = sum(b.row_numel for b in buckets)
         if offload:
             self.flat = host_buffer(total, MASTER_DTYPE, pin_memory and device.type == "cuda")
         else:
             self.flat = torch.zeros(total, dtype=MASTER_DTYPE, device=device)
         self.rows = [self.flat[s.row_offset : s.row_offset + s.shard.shard_numel] for s in slots]
+        self._unpack_targets = {b.index: unpack_targets(b, world_size) for b in buckets}
         self.copy_from_params()
 
     def bucket_rows(self, bucket: Bucket) -> torch.Tensor:
@@ -63,15 +68,54 @@ class MasterRows:
         in_flight: list[tuple] = []
 
         def finish(bucket: Bucket, rows: torch.Tensor, out: torch.Tensor, work) -> None:
-            comm.wait(work)  # rows and out stay referenced until here
-            for slot in bucket.slots:
-                slot.shard.gather_from(slot.rows(out, bucket.row_numel), slot.param.view(-1))
+            with record_function("hf_lowzero::all_gather_wait"):
+                comm.wait(work)  # rows and out stay referenced until here
+            with record_function("hf_lowzero::unpack_bucket"):
+                unpack_bucket(bucket, out, self.world_size, self._unpack_targets[bucket.index])
+            self.pool.give(out)
+            if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
+                self.pool.give(rows)
 
         for bucket in self.buckets:
-            rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True).to(bucket.dtype)
-            out = torch.empty(self.world_size * bucket.row_numel, dtype=bucket.dtype, device=bucket.device)
+            rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True)
+            if rows.dtype != bucket.dtype:
+                rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
+            out = self.pool.take(self.world_size * bucket.row_numel, bucket.dtype, bucket.device)
             in_flight.append((bucket, rows, out, comm.all_gather(out, rows, self.group, async_op=True)))
             if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
                 finish(*in_flight.pop(0))
         for item in in_flight:
             finish(*item)
+
+
+def unpack_targets(bucket: Bucket, world_size: int) -> list[torch.Tensor | None]:
+    """Per param of ``bucket``: its ``[W, shard_numel]`` view when its numel divides by W (the
+    gathered rows land in it directly), else None (it needs a temporary to drop the padding)."""
+    return [
+        slot.param.view(world_size, slot.shard.shard_numel) if slot.shard.padding == 0 else None
+        for slot in bucket.slots
+    ]
+
+
+@torch.no_grad()
+def unpack_bucket(
+    bucket: Bucket, gathered: torch.Tensor, world_size: int, targets: list[torch.Tensor | None] | None = None
+) -> None:
+    """Copy a gathered rank-major bucket (``[W, row_numel]`` flat) into its params.
+
+    One ``split_with_sizes_copy`` kernel writes every param whose numel divides by W straight into
+    it; a padded param goes through a temporary and drops its padding. ``targets`` is
+    :func:`unpack_targets` of the bucket, built once by the caller.
+    """
+    targets = unpack_targets(bucket, world_size) if targets is None else targets
+    outs = [
+        torch.empty(world_size, slot.shard.shard_numel, dtype=bucket.dtype, device=bucket.device)
+        if target is None
+        else target
+        for slot, target in zip(bucket.slots, targets)
+    ]
+    sizes = [slot.shard.shard_numel for slot in bucket.slots]
+    torch.split_with_sizes_copy(gathered.view(world_size, bucket.row_numel), sizes, dim=1, out=outs)
+    for slot, target, out in zip(bucket.slots, targets, outs):
+        if target is None:
+            slot.param.view(-1).copy_(out.view(-1)[: slot.shard.numel])

@@ -37,9 +37,10 @@ class MemoryReport:
     """Bytes one rank holds.
 
     ``grads`` are full-size ``p.grad`` tensors still alive; ``grad_buffers`` the optimizer's own
-    gradient storage (fp32 gradient rows, host staging buffers with offload, buckets in flight).
+    gradient storage (fp32 gradient rows, host staging buffers with offload); ``comm_buffers`` the
+    scratch of bucket collectives (on CPU pooled and kept, bounded by the buckets in flight).
     ``model_state_bytes`` is the ZeRO paper's "model states": params + gradients + optimizer
-    states (master rows included). ``by_device`` splits all of it by device: with
+    states (master rows included), without scratch. ``by_device`` splits all of it by device: with
     ``offload_optimizer`` the master rows, optimizer state and gradient rows sit on ``"cpu"``.
     """
 
@@ -49,6 +50,7 @@ class MemoryReport:
     master_rows: int
     optimizer_state: int
     buffers: int
+    comm_buffers: int = 0
     by_device: dict[str, int] = field(default_factory=dict)
 
     @classmethod

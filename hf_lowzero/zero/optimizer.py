@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
+from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
@@ -46,7 +48,7 @@ from hf_lowzero.zero.inner import check_inner_optimizer, prefer_fused_on_cpu
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
-from hf_lowzero.zero.params import check_unchanged, managed_slots
+from hf_lowzero.zero.params import WrapGuard, managed_slots
 from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
 from hf_lowzero.zero.stages import BucketReducer
 
@@ -89,8 +91,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         self.slots = managed_slots(model, optimizer, self.world_size)
         self.buckets = plan_buckets(self.slots, self.config.reduce_bucket_bytes, self.config.communication_dtype)
+        self._guard = WrapGuard(self.slots)
         self.device = self.slots[0].param.device
         offload, pin = self.config.offload_optimizer, self.config.pin_memory
+        pool = BufferPool()  # communication scratch shared by the reduce-scatters and all-gathers
         self.reducer = BucketReducer(
             self.buckets,
             self.process_group,
@@ -98,11 +102,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.config.communication_dtype,
             self.config.stage,
             make_grad_rows(self.buckets, self.device, offload, pin),
+            pool,
         )
         self.master = MasterRows(
-            self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin
+            self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin, pool
         )
 
+        # Each param's gradient rows: fixed views of the row store, handed to the inner optimizer.
+        self._grad_views = [self.reducer.store.view_of(slot) for slot in self.slots]
         if self.master.flat.device.type == "cpu":
             prefer_fused_on_cpu(optimizer)
         slot_of = {id(slot.param): slot for slot in self.slots}
@@ -122,7 +129,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.buckets,
             self.reducer,
             self.config.overlap_communication,
-            guard=lambda: check_unchanged(self.slots),
+            guard=self._guard.check,
         )
 
         # Not Optimizer.__init__: it would build param groups and state of its own. The hook
@@ -256,7 +263,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         so no peer waits forever.
         """
         self._sync.check_finished("run backward")
-        check_unchanged(self.slots)
+        self._guard.check()
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
         self._sync.explicit = True
@@ -300,9 +307,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
         self._sync.check_finished("step")
-        check_unchanged(self.slots)
+        self._guard.check()
         self._check_group_sizes()
-        grad_rows, scaled_norm, used = self._norm_and_usage()
+        with record_function("hf_lowzero::grad_norm"):
+            grad_rows, scaled_norm, used = self._norm_and_usage()
         if not math.isfinite(scaled_norm):
             self.last_step_applied = self._skip_step()
             return False
@@ -311,19 +319,18 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         clip = self.config.clip_grad_norm
         clip_coef = min(1.0, clip / (self.last_grad_norm + 1e-6)) if clip > 0 else 1.0
         coef = clip_coef / self.scaler.scale
-        for bucket, rows in zip(self.buckets, grad_rows):
-            if rows is not None and coef != 1.0:
-                rows.mul_(coef)
-            for slot in bucket.slots:
-                applied = used[slot.index] and rows is not None
-                start = slot.row_offset - bucket.row_offset
-                grad = rows[start : start + slot.shard.shard_numel] if applied else None
-                self.master.rows[slot.index].grad = grad
+        if coef != 1.0:
+            for rows in grad_rows:
+                if rows is not None:
+                    rows.mul_(coef)
+        # Params used on no rank get no gradient: no update, no weight decay, no state.
+        for master, grad, used_anywhere in zip(self.master.rows, self._grad_views, used):
+            master.grad = grad if used_anywhere else None
         self._groups.sync()
-        self.optim.step()
-        for master in self.master.rows:
-            master.grad = None
-        self.copy_master_to_params()
+        with record_function("hf_lowzero::inner_step"):
+            self.optim.step()
+        with record_function("hf_lowzero::copy_master_to_params"):
+            self.copy_master_to_params()
         self.scaler.update(overflow=False)
         self.consecutive_skips = 0
         self.zero_grad()
@@ -362,9 +369,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
         got a gradient on any rank (DDP's unused-parameter detection). Padding rows are zero, so
         the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
-        # Summed where the rows live (host memory with offload), reduced on the params' device.
-        sums = [rows.square().sum() for rows in grad_rows if rows is not None]
-        square_sum = torch.stack(sums).sum().reshape(1) if sums else torch.zeros(1)
+        # Computed where the rows live (host memory with offload), reduced on the params' device;
+        # norms rather than sums of squares: no temporary as large as the rows.
+        present = [rows for rows in grad_rows if rows is not None]
+        norms = torch._foreach_norm(present) if present else [torch.zeros(())]
+        square_sum = torch.linalg.vector_norm(torch.stack(norms)).square().reshape(1)
         used = torch.tensor(self._sync.locally_used, dtype=torch.float32)
         stats = torch.cat([square_sum.float().to(self.device), used.to(self.device)])
         comm.all_reduce(stats, self.process_group)
@@ -417,4 +426,5 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             master_rows=bytes_by_device([self.master.flat]),
             optimizer_state=bytes_by_device(state),
             buffers=bytes_by_device(self.model.buffers()),
+            comm_buffers=bytes_by_device(self.reducer.pool.tensors()),
         )

@@ -40,12 +40,6 @@ class ParamSlot:
     def __post_init__(self) -> None:
         self.wrapped_as = _identity(self.param)
 
-    def rows(self, flat_bucket: torch.Tensor, row_numel: int) -> torch.Tensor:
-        """This param's ``[W, shard_numel]`` strided view of a flat rank-major bucket buffer."""
-        return flat_bucket.view(self.shard.world_size, row_numel)[
-            :, self.bucket_offset : self.bucket_offset + self.shard.shard_numel
-        ]
-
 
 def canonical_name(name: str) -> str:
     """A parameter or buffer name as the uncompiled model has it: ``torch.compile`` wraps a module
@@ -56,6 +50,21 @@ def canonical_name(name: str) -> str:
 
 def _identity(p: torch.Tensor) -> tuple:
     return p.dtype, p.device, p.data_ptr()
+
+
+class WrapGuard:
+    """Checks that no managed param changed dtype, device or storage since wrapping (see
+    [Note: params are fixed at wrap time]). Any such change gives a param new storage, so one
+    pass over the data pointers decides; the details are worked out only for the error."""
+
+    def __init__(self, slots: list[ParamSlot]) -> None:
+        self.slots = slots
+        self._params = [slot.param for slot in slots]
+        self._pointers = [slot.wrapped_as[2] for slot in slots]
+
+    def check(self) -> None:
+        if list(map(torch.Tensor.data_ptr, self._params)) != self._pointers:
+            check_unchanged(self.slots)
 
 
 def check_unchanged(slots: list[ParamSlot]) -> None:

@@ -15,9 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -31,23 +29,18 @@ class ParamShard:
 
     numel: int
     world_size: int
+    padded_numel: int = field(init=False)
+    shard_numel: int = field(init=False)  # length of every rank's row, padding included
+    padding: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.numel <= 0 or self.world_size <= 0:
             raise ValueError(f"numel and world_size must be positive, got {self.numel}, {self.world_size}")
-
-    @property
-    def padded_numel(self) -> int:
-        return padded_numel(self.numel, self.world_size)
-
-    @property
-    def shard_numel(self) -> int:
-        """Length of every rank's row, padding included."""
-        return self.padded_numel // self.world_size
-
-    @property
-    def padding(self) -> int:
-        return self.padded_numel - self.numel
+        # Fixed per parameter and read on every step: computed once.
+        padded = padded_numel(self.numel, self.world_size)
+        object.__setattr__(self, "padded_numel", padded)
+        object.__setattr__(self, "shard_numel", padded // self.world_size)
+        object.__setattr__(self, "padding", padded - self.numel)
 
     def owned_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of the real (unpadded) flat elements in ``rank``'s row; may be empty."""
@@ -58,35 +51,3 @@ class ParamShard:
     def owned_numel(self, rank: int) -> int:
         start, end = self.owned_range(rank)
         return end - start
-
-    # [Note: padded copies]
-    # The row-major ``[W, shard_numel]`` view of a parameter is split into full rows and one
-    # partial row; copying those two pieces avoids materializing a padded copy of the parameter.
-    # The padding slots of the destination are zeroed on copy, so sums over ranks stay exact.
-
-    def scatter_into(self, rows: torch.Tensor, flat: torch.Tensor | None) -> None:
-        """Write ``flat`` (1D, ``numel``) into ``rows`` (``[W, shard_numel]``, may be a strided view).
-
-        ``flat=None`` means a zero contribution. The padding slots are zeroed.
-        """
-        if flat is None:
-            rows.zero_()
-            return
-        full_rows, rem = divmod(self.numel, self.shard_numel)
-        split = full_rows * self.shard_numel
-        if full_rows:
-            rows[:full_rows].copy_(flat[:split].view(full_rows, self.shard_numel))
-        if rem:
-            rows[full_rows, :rem].copy_(flat[split:])
-        if self.padding:
-            rows[full_rows, rem:].zero_()
-            rows[full_rows + 1 :].zero_()
-
-    def gather_from(self, rows: torch.Tensor, flat: torch.Tensor) -> None:
-        """Inverse of :meth:`scatter_into`: copy the real elements of ``rows`` into ``flat``."""
-        full_rows, rem = divmod(self.numel, self.shard_numel)
-        split = full_rows * self.shard_numel
-        if full_rows:
-            flat[:split].view(full_rows, self.shard_numel).copy_(rows[:full_rows])
-        if rem:
-            flat[split:].copy_(rows[full_rows, :rem])

@@ -16,7 +16,7 @@ world size before a SUM collective, as DDP does.
 
 Example::
 
-    reducer = BucketReducer(buckets, group, world_size, comm_dtype=None, stage=2, grad_rows=rows)
+    reducer = BucketReducer(buckets, group, world_size, comm_dtype=None, stage=2, grad_rows=rows, pool=BufferPool())
     reducer.launch(bucket); reducer.finish(bucket)      # driven by PlanOrderLauncher
     reducer.grad_rows(bucket)                           # this rank's fp32 rows, or None
 """
@@ -26,9 +26,11 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket
+from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.grad_rows import DeviceGradRows
 from hf_lowzero.zero.memory import bytes_by_device
 
@@ -36,14 +38,21 @@ from hf_lowzero.zero.memory import bytes_by_device
 def pack_bucket(bucket: Bucket, flat: torch.Tensor, world_size: int) -> None:
     """Copy every param's ``.grad`` into the rank-major ``flat`` buffer, then free it.
 
-    A param with no gradient contributes zeros (see [Note: bucket order]). The result is divided
-    by ``world_size`` so that a SUM collective yields the average.
+    One ``torch._chunk_cat`` kernel (FSDP2's packing op) pads each flattened gradient to a multiple
+    of the world size and lays the W chunks out rank-major, whatever the number of params. A param
+    with no gradient contributes zeros (see [Note: bucket order]). The result is divided by
+    ``world_size`` so that a SUM collective yields the average.
     """
+    grads = []
     for slot in bucket.slots:
         grad = slot.param.grad
-        slot.shard.scatter_into(slot.rows(flat, bucket.row_numel), None if grad is None else grad.reshape(-1))
+        grads.append(
+            torch.zeros(slot.shard.numel, dtype=bucket.dtype, device=bucket.device) if grad is None else grad.view(-1)
+        )
         slot.param.grad = None
-    flat.div_(world_size)
+    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=flat.view(world_size, bucket.row_numel))
+    if world_size > 1:
+        flat.div_(world_size)
 
 
 class BucketReducer:
@@ -58,6 +67,7 @@ class BucketReducer:
         comm_dtype: torch.dtype | None,
         stage: int,
         grad_rows: DeviceGradRows,
+        pool: BufferPool,
     ) -> None:
         self.buckets = buckets
         self.group = group
@@ -65,26 +75,44 @@ class BucketReducer:
         self.comm_dtype = comm_dtype
         self.allows_no_sync = stage == 1
         self.store = grad_rows
-        self._in_flight_bytes = 0
+        self.pool = pool
 
     def launch(self, bucket: Bucket) -> None:
         dtype = self.comm_dtype or bucket.dtype
-        flat = torch.empty(self.world_size * bucket.row_numel, dtype=dtype, device=bucket.device)
-        pack_bucket(bucket, flat, self.world_size)
-        out = self.store.direct_target(bucket, dtype, first=not bucket.has_grads)
-        transient = flat.nbytes
-        if out is None:
-            out = torch.empty(bucket.row_numel, dtype=dtype, device=bucket.device)
-            transient += out.nbytes
-        bucket.scratch = (flat, out, transient)  # both stay alive until the collective is done
-        self._in_flight_bytes += transient
-        bucket.work = comm.reduce_scatter(out, flat, self.group, async_op=True)
+        direct = self.store.direct_target(bucket, dtype, first=not bucket.has_grads)
+        taken = []  # pooled buffers this bucket holds until its collective is done
+
+        def take(numel: int) -> torch.Tensor:
+            taken.append(self.pool.take(numel, dtype, bucket.device))
+            return taken[-1]
+
+        if self.world_size == 1:  # nothing to reduce: the packed bucket is this rank's rows
+            out = direct if direct is not None else take(bucket.row_numel)
+            with record_function("hf_lowzero::pack_bucket"):
+                pack_bucket(bucket, out, 1)
+            bucket.scratch, bucket.work = (out, taken), None
+            return
+        flat = take(self.world_size * bucket.row_numel)
+        with record_function("hf_lowzero::pack_bucket"):
+            pack_bucket(bucket, flat, self.world_size)
+        workspace = take(flat.numel()) if comm.reduce_scatter_uses_workspace(self.group) else None
+        if direct is not None:
+            out = direct
+        elif workspace is not None:
+            out = workspace[: bucket.row_numel]  # summed in place there
+        else:
+            out = take(bucket.row_numel)
+        bucket.scratch = (out, taken)
+        bucket.work = comm.reduce_scatter(out, flat, self.group, async_op=True, workspace=workspace)
 
     def finish(self, bucket: Bucket) -> None:
-        comm.wait(bucket.work)
-        _, out, transient = bucket.scratch
-        self.store.accept(bucket, out, first=not bucket.has_grads)
-        self._in_flight_bytes -= transient
+        with record_function("hf_lowzero::reduce_wait"):
+            comm.wait(bucket.work)  # on gloo also the local sum of the received chunks
+        out, taken = bucket.scratch
+        with record_function("hf_lowzero::accept_rows"):
+            self.store.accept(bucket, out, first=not bucket.has_grads)
+        for buffer in taken:
+            self.pool.give(buffer)
         bucket.work, bucket.scratch, bucket.has_grads = None, (), True
 
     def grad_rows(self, bucket: Bucket) -> torch.Tensor | None:
@@ -92,10 +120,8 @@ class BucketReducer:
         return self.store.rows(bucket) if bucket.has_grads else None
 
     def buffer_bytes(self) -> Counter:
-        """Bytes of gradient storage right now, per device: the rows plus buckets in flight."""
-        placed = bytes_by_device(self.store.tensors())
-        placed[str(self.buckets[0].device)] += self._in_flight_bytes
-        return placed
+        """Bytes of gradient storage right now, per device: the rows (and host staging)."""
+        return bytes_by_device(self.store.tensors())
 
     def clear(self) -> None:
         """Forget all gradients (after ``step`` or on ``zero_grad``)."""
