@@ -9,6 +9,8 @@ Writes ``OUT_DIR/model.safetensors`` (fp32 unless ``--dtype`` says otherwise); w
 ``checkpoint-N/zero_optimizer`` holds only the trainable params (the Trainer saves the model
 itself): ``--base-weights checkpoint-N`` (or any ``*.safetensors`` file or directory of them with
 the same names) supplies the frozen params and buffers. Needs no process group or GPU.
+
+From Python, ``export_pretrained(checkpoint-N, OUT_DIR)`` does all of it for a Trainer checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from hf_lowzero.checkpoint import consolidate_checkpoint
@@ -38,9 +41,54 @@ def read_weights(path: str | Path) -> dict:
 def write_pretrained_weights(ckpt: str | Path, out: str | Path, dtype=None, base_weights=None) -> Path:
     """Consolidate ``ckpt`` into ``out/model.safetensors``; returns the written file."""
     base = read_weights(base_weights) if base_weights is not None else None
-    weights = consolidate_checkpoint(ckpt, base=base)
+    return _save_weights(consolidate_checkpoint(ckpt, base=base), out, dtype)
+
+
+def export_pretrained(
+    trainer_checkpoint: str | Path, out: str | Path, tokenizer_from: str | Path | None = None
+) -> Path:
+    """Turn a Trainer ``checkpoint-N`` folder into a ``from_pretrained`` directory; returns ``out``.
+
+    Writes full fp32 weights (consolidated from the ZeRO shards in ``checkpoint-N/zero_optimizer``,
+    the frozen params and buffers taken from the Trainer's weights next to them; a run without ZeRO
+    has only the Trainer's weights, which are complete), the config (dtype float32), the generation
+    config and the tokenizer of the checkpoint or else of ``tokenizer_from``, if either has one.
+
+    Example::
+
+        >>> export_pretrained("out/checkpoint-40", "out/final")
+        >>> model = AutoModelForCausalLM.from_pretrained("out/final")
+    """
+    from transformers import AutoConfig, AutoTokenizer  # only this function needs transformers
+
+    source, out = Path(trainer_checkpoint), Path(out)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{source} has no config.json: expected a Trainer checkpoint-N folder (config.json, model weights, "
+            "zero_optimizer/)"
+        )
+    shards = source / "zero_optimizer"
+    if shards.is_dir():
+        write_pretrained_weights(shards, out, dtype="fp32", base_weights=source)
+    else:
+        _save_weights(read_weights(source), out, "fp32")
+    config = AutoConfig.from_pretrained(source)
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    if (source / "generation_config.json").is_file():
+        shutil.copy(source / "generation_config.json", out / "generation_config.json")
+    for candidate in (source, tokenizer_from):
+        if candidate is not None and (Path(candidate) / "tokenizer_config.json").is_file():
+            AutoTokenizer.from_pretrained(candidate).save_pretrained(out)
+            break
+    return out
+
+
+def _save_weights(weights: dict[str, torch.Tensor], out: str | Path, dtype) -> Path:
+    """Write ``out/model.safetensors`` atomically, floating-point tensors cast to ``dtype`` if given."""
     if dtype is not None:
-        weights = {k: v.to(parse_dtype(dtype, "dtype")) for k, v in weights.items()}
+        dtype = parse_dtype(dtype, "dtype")
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     target = out / "model.safetensors"

@@ -6,8 +6,9 @@
 
 With no ``--address`` and no ``RAY_ADDRESS`` it starts a local Ray instance; on a cluster it places
 one worker per GPU (``--use-gpu``, NCCL). Rerunning with the same ``--name`` (and storage path)
-resumes the latest checkpoint, resharded if ``--num-workers`` changed. Prints the final metrics
-and where the checkpoint is.
+resumes the latest checkpoint, resharded if ``--num-workers`` changed. Prints one line per step from
+the first worker and ends with a summary: final loss, time, restarts survived, the checkpoint, and
+the exported model (``--export-dir``; a local run exports to ``<storage>/<name>/export`` by default).
 """
 
 from __future__ import annotations
@@ -24,20 +25,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import ray  # noqa: E402
 
-from hf_lowzero.ray import RayFinetuneConfig, run_finetune  # noqa: E402
+from hf_lowzero.ray import RayFinetuneConfig  # noqa: E402
+from hf_lowzero.ray.console import quiet_ray_train, start_local_ray  # noqa: E402
+from hf_lowzero.ray.summary import RunSummary, run_with_summary  # noqa: E402
 
 
-def parse_args(argv=None) -> tuple[str | None, RayFinetuneConfig]:
-    """Flags are RayFinetuneConfig's fields (``--num-workers``, ``--use-gpu``, ...) plus ``--address``."""
+def parse_args(argv=None) -> tuple[str | None, str | None, RayFinetuneConfig]:
+    """``(address, export_dir, config)``: RayFinetuneConfig's fields (``--num-workers``, ``--use-gpu``,
+    ...) plus ``--address`` (else ``RAY_ADDRESS``; None: a local instance), ``--export-dir`` and ``--no-export``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local instance)")
+    export = p.add_mutually_exclusive_group()
+    export.add_argument(
+        "--export-dir",
+        default=None,
+        help="write the final model here as a from_pretrained directory, on the machine running this script "
+        "(default: <storage-path>/<name>/export for a local run, no export on a cluster)",
+    )
+    export.add_argument("--no-export", action="store_true", help="do not export the final model")
     hints = typing.get_type_hints(RayFinetuneConfig)
     for f in dataclasses.fields(RayFinetuneConfig):
         flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if hints[f.name] is bool:
             p.add_argument(flag, action="store_true", help=help)
         else:
-            kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+            kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+            kind = kinds[0] if len(kinds) == 1 else str  # e.g. num_workers "2" or "1-4": the config parses it
             default = f.default if f.default is not dataclasses.MISSING else None
             shown = help if "default" in help else f"{help} (default: {default})"
             p.add_argument(flag, type=kind, default=None, help=shown)
@@ -47,24 +60,24 @@ def parse_args(argv=None) -> tuple[str | None, RayFinetuneConfig]:
     if "storage_path" in given and "://" not in given["storage_path"]:
         given["storage_path"] = os.path.abspath(given["storage_path"])
     given.setdefault("name", f"{RayFinetuneConfig().name}_{time.strftime('%Y%m%d-%H%M%S')}")  # a new run
-    return a.address, RayFinetuneConfig(**given)
+    config = RayFinetuneConfig(**given)
+    address = a.address or os.environ.get("RAY_ADDRESS")
+    export_dir = a.export_dir and os.path.abspath(a.export_dir)
+    if not export_dir and not address and "://" not in config.storage_path:  # a local run exports by default
+        export_dir = os.path.join(config.storage_path, config.name, "export")
+    return address, None if a.no_export else export_dir, config
 
 
-def main(argv=None) -> None:
-    address, config = parse_args(argv)
-    address = address or os.environ.get("RAY_ADDRESS")
+def main(argv=None) -> RunSummary:
+    address, export_dir, config = parse_args(argv)
+    quiet_ray_train()
     if address:
         ray.init(address=address)
     else:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # "local": never attach to a stale /tmp/ray/ray_current_cluster by accident.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.num_workers + 1), include_dashboard=False)
-    result = run_finetune(config)
-    print("\n=== hf_lowzero fine-tune finished ===")
-    print("final metrics:", {k: v for k, v in result.metrics.items() if not isinstance(v, dict)})
-    print("checkpoint:", result.checkpoint.path if result.checkpoint else None)
-    if result.error:
-        raise SystemExit(f"training failed: {result.error}")
+        start_local_ray(num_cpus=max(os.cpu_count() or 1, config.max_workers + 1))
+    summary = run_with_summary(config, export_dir)
+    print(f"\n{summary}")
+    return summary
 
 
 if __name__ == "__main__":

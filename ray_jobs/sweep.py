@@ -24,6 +24,12 @@ from ray.tune.integration.ray_train import TuneReportCallback  # noqa: E402
 
 from hf_lowzero.ray import RayFinetuneConfig, build_trainer  # noqa: E402
 
+# A trial's function only drives its TorchTrainer, so it runs on the head and takes no CPU, as the
+# main job's driver does. On a worker node it would keep that node from ever scaling down: Ray Train
+# 2.60 creates a detached AutoscalingCoordinator actor on the node of the first trainer's controller
+# (the trial's node), and a node that hosts an actor is never idle.
+TRIAL_RESOURCES = {"CPU": 0, "node:__internal_head__": 0.001}
+
 
 def trial(params: dict) -> None:
     """One Tune trial: a TorchTrainer fine-tune whose reports flow back to Tune."""
@@ -53,9 +59,9 @@ def main(argv=None) -> None:
         ray.init(address=address)
     else:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Logical CPUs for each running trial (its function + workers) and for one finished trial
-        # whose placement group Ray may still be releasing; otherwise the next trial can wait forever.
-        slots = (a.num_workers + 1) * (a.max_concurrent + 1)
+        # Logical CPUs for each running trial's workers and for one finished trial whose placement
+        # group Ray may still be releasing; otherwise the next trial can wait forever.
+        slots = a.num_workers * (a.max_concurrent + 1)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False)
     storage = os.path.abspath(a.storage_path) if "://" not in a.storage_path else a.storage_path
     base = RayFinetuneConfig(
@@ -68,7 +74,7 @@ def main(argv=None) -> None:
         max_failures=1,
     )
     tuner = tune.Tuner(
-        trial,
+        tune.with_resources(trial, TRIAL_RESOURCES),
         param_space={
             "base": dataclasses.asdict(base),
             "learning_rate": tune.grid_search(a.learning_rates),

@@ -1,6 +1,7 @@
-"""Ray Train: every shard reaches the reported checkpoint; a killed worker is restarted from the
-last complete checkpoint and the run ends exactly like an uninterrupted one; a rerun with fewer
-workers resumes the same checkpoint, resharded."""
+"""Ray Train: every shard reaches the reported checkpoint, each file uploaded by one rank; a worker
+killed while its checkpoint upload is in flight is restarted from the last complete checkpoint (Ray
+never hands out the partial one) and the run ends exactly like an uninterrupted one; a rerun with
+fewer workers resumes the same checkpoint, resharded."""
 
 import json
 import os
@@ -14,7 +15,9 @@ ray = pytest.importorskip("ray")
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint  # noqa: E402
 from hf_lowzero.ray import RayFinetuneConfig, run_finetune  # noqa: E402
 from hf_lowzero.ray.launch import FAILURE_MARKER  # noqa: E402
+from hf_lowzero.ray.reporting import stage_owned_files  # noqa: E402
 from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
+from tests.ray_checkpoints import missing_files, step_of  # noqa: E402
 from tests.trainer_runs import make_args  # noqa: E402
 
 STEPS, SAVE = 12, 4
@@ -46,15 +49,32 @@ def test_worker_failure_resumes_to_the_same_result(local_ray, tmp_path):
             save_steps=SAVE,
             storage_path=str(tmp_path),
             name="faulty",
-            inject_failure_at_step=10,
+            inject_failure_at_step=2 * SAVE,  # a checkpoint step: rank 1 dies while its upload is in flight
         )
     )
     assert clean.error is None and faulty.error is None
     assert (tmp_path / "faulty" / FAILURE_MARKER).exists(), "the failure was not injected"
 
+    # Ray registered only complete checkpoints; the killed round's partial folder stays unregistered,
+    # and the restart resumed the last complete checkpoint (step SAVE), not the partial one.
+    registered = {Path(c.path) for c, _ in faulty.best_checkpoints}
+    assert all(missing_files(c) == [] for c in registered)
+    partial = [d for d in (tmp_path / "faulty").glob("checkpoint_*") if d.is_dir() and missing_files(d)]
+    assert [step_of(d) for d in partial] == [2 * SAVE], "the killed rank's upload was not cut short"
+    assert "zero_optimizer/zero_shard_rank00001_of_00002.safetensors" in missing_files(partial[0])
+    assert not registered & set(partial)
+    assert faulty.metrics["resumed_from_step"] == SAVE
+
     clean_dir, clean_weights = final_state(clean)
     faulty_dir, faulty_weights = final_state(faulty)
     assert clean_dir.name == faulty_dir.name == f"checkpoint-{STEPS}"
+    # Each file of the final checkpoint is reported (uploaded) by exactly one rank.
+    staged = [set(stage_owned_files(clean_dir, tmp_path / f"staged{r}", r)) for r in range(2)]
+    assert not staged[0] & staged[1]
+    assert staged[0] | staged[1] == {p.relative_to(clean_dir) for p in clean_dir.rglob("*") if p.is_file()}
+    assert {"zero_optimizer/zero_shard_rank00001_of_00002.safetensors", "rng_state_1.pth"} == {
+        str(p) for p in staged[1]
+    }
     for ckpt in (clean_dir, faulty_dir):  # every rank's files reached the reported checkpoint
         names = set(os.listdir(ckpt)) | set(os.listdir(ckpt / "zero_optimizer"))
         assert {

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+)
 
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
 from hf_lowzero.trainer.trainer import LowZeroTrainer
@@ -75,14 +83,26 @@ def build_model_and_tokens(model_args: ClmArguments, seed: int):
     return GPT2LMHeadModel(config), list(text.encode("utf-8"))
 
 
-def finetune_clm(model_args: ClmArguments, args: LowZeroTrainingArguments, callbacks=None, resume=None):
+def finetune_clm(
+    model_args: ClmArguments,
+    args: LowZeroTrainingArguments,
+    callbacks=None,
+    resume=None,
+    printer: TrainerCallback | None = None,
+):
     """Fine-tune a causal LM with ``LowZeroTrainer``; save the final model to ``args.output_dir``.
 
-    Returns ``(trainer, metrics)``; ``resume`` is passed to ``train(resume_from_checkpoint=...)``.
+    Returns ``(trainer, metrics)``; ``resume`` is passed to ``train(resume_from_checkpoint=...)``;
+    ``printer`` replaces the Trainer's own log printer (``PrinterCallback``/``ProgressCallback``).
     """
     model, token_ids = build_model_and_tokens(model_args, args.seed)
+    if model.loss_type is None:  # e.g. GPT2LMHeadModel: no loss matches its class name; say which one it gets
+        model.loss_type = "ForCausalLM"
     dataset = BlockDataset(token_ids, model_args.block_size)
     trainer = LowZeroTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+    if printer is not None:
+        trainer.remove_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)
+        trainer.add_callback(printer)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     return trainer, result.metrics

@@ -1,0 +1,182 @@
+"""Elastic Ray Train on a local multi-node cluster: a run started at 2 workers loses a node, goes
+on at 1 worker from its last checkpoint (resharded 2 -> 1), grows back to 2 when the node returns
+(resharded 1 -> 2), and its loss curve is the one of a fixed 2-worker run, because
+``global_batch_size`` keeps every step's samples the same. Plus the flags' parsing and validation.
+
+Capacity is a custom resource: each worker needs one ``worker_slot`` and each extra node of a
+``ray.cluster_utils.Cluster`` (a raylet of its own on this machine) has one. Removing a node kills
+the worker on it; adding one lets Ray's elastic policy grow the group. A callback holds the workers
+at a checkpoint step until the test changed capacity, so every change happens at a known step.
+"""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch.distributed as dist  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback  # noqa: E402
+
+from hf_lowzero.ray import RayFinetuneConfig, build_trainer, run_finetune  # noqa: E402
+from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers  # noqa: E402
+from hf_lowzero.recipes.clm import DEFAULT_CORPUS  # noqa: E402
+from tests.ray_checkpoints import missing_files, saved_world_size, step_of, trainer_checkpoint  # noqa: E402
+
+STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
+SHRINK_AT, GROW_AT = SAVE, 2 * SAVE  # checkpoint steps after which capacity changes
+HOLD_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def slot_cluster():
+    """A head node (no worker slot) and two nodes with one worker slot each."""
+    if ray.is_initialized():
+        ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray Train hands RAY_TRAIN_* on to its controller: a restart sized by the autoscaling
+        # coordinator's stale view (refreshed every 20 s) for a lost node gives up after 5 s, not 60 s.
+        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        nodes = [cluster.add_node(num_cpus=1, resources={"worker_slot": 1}) for _ in range(2)]
+        root = str(Path(__file__).resolve().parents[1])  # workers import tests.* (the callback below)
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+        try:
+            yield cluster, nodes
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tmp_path_factory) -> tuple[str, str]:
+    """A tiny GPT-2 without dropout (so losses depend on the data only) and a corpus of exactly
+    128 blocks of 64 bytes: 16 steps of 8 sequences, no epoch boundary within the run."""
+    root = tmp_path_factory.mktemp("elastic_model")
+    config = GPT2Config(vocab_size=257, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=256,
+                        eos_token_id=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(root / "model")
+    text = "".join(c for c in DEFAULT_CORPUS.read_text() if c.isascii())
+    (root / "corpus.txt").write_text((text * (8192 // len(text) + 1))[:8192])
+    return str(root / "model"), str(root / "corpus.txt")
+
+
+class HoldForCapacityChange(TrainerCallback):
+    """At each step of ``steps``, once per run: once Ray committed that step's checkpoint, rank 0
+    writes ``signal_dir/hold_<step>``; every rank then waits for the test to change capacity, which
+    ends this attempt."""
+
+    def __init__(self, steps: set[int], signal_dir: Path) -> None:
+        self.steps, self.signal_dir = steps, signal_dir
+
+    def on_save(self, args, state, control, **kwargs):
+        marker = self.signal_dir / f"hold_{state.global_step}"
+        if state.global_step not in self.steps or marker.exists():
+            return
+        dist.barrier()  # every rank checked the marker before it appears
+        if dist.get_rank() == 0:
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+            marker.write_text(str(dist.get_world_size()))
+        time.sleep(HOLD_TIMEOUT_S)
+        raise RuntimeError(f"capacity did not change within {HOLD_TIMEOUT_S} s of step {state.global_step}")
+
+
+def wait_for(path: Path, run, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if run.done():
+            raise AssertionError(f"the run ended before {path.name}: {run.result()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {path.name} within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def loss_curve(result) -> list[dict]:
+    history = json.loads((trainer_checkpoint(result.checkpoint.path) / "trainer_state.json").read_text())
+    return [h for h in history["log_history"] if "loss" in h]
+
+
+def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cluster, no_dropout_model, tmp_path):
+    cluster, nodes = slot_cluster
+    model_dir, corpus = no_dropout_model
+    common = dict(max_steps=STEPS, save_steps=SAVE, global_batch_size=GLOBAL_BATCH, model_name_or_path=model_dir,
+                  train_file=corpus, resources_per_worker='{"worker_slot": 1}', storage_path=str(tmp_path),
+                  num_to_keep=STEPS // SAVE, resize_check_interval_s=1)  # fmt: skip
+    fixed = run_finetune(RayFinetuneConfig(num_workers=2, name="fixed", **common))
+    assert fixed.error is None
+
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    hold = HoldForCapacityChange({SHRINK_AT, GROW_AT}, signals)
+    trainer = build_trainer(RayFinetuneConfig(num_workers=(1, 2), name="elastic", **common), trainer_callbacks=[hold])
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(trainer.fit)
+        wait_for(signals / f"hold_{SHRINK_AT}", run)
+        cluster.remove_node(nodes.pop())  # capacity lost: the worker on that node dies with it
+        wait_for(signals / f"hold_{GROW_AT}", run)
+        nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))  # capacity back
+        elastic = run.result(timeout=HOLD_TIMEOUT_S)
+    assert elastic.error is None
+
+    # Each attempt resumed the previous one's last checkpoint, resharded to its own world size.
+    registered = sorted(elastic.best_checkpoints, key=lambda cm: step_of(cm[0].path))
+    assert all(missing_files(c.path) == [] for c, _ in registered)
+    assert [(step_of(c.path), saved_world_size(c.path)) for c, _ in registered] == [(4, 2), (8, 1), (12, 2)]
+    assert [(m["world_size"], m["resumed_from_step"]) for _, m in registered] == [(2, 0), (1, 4), (2, 8)]
+    assert {m["global_batch_size"] for _, m in registered} == {GLOBAL_BATCH}
+
+    # One continuous curve: every step once, in order, at the world size of its attempt, and the
+    # same losses as the fixed-size run (same samples per step at either size).
+    curve, reference = loss_curve(elastic), loss_curve(fixed)
+    assert [h["step"] for h in curve] == list(range(1, STEPS + 1))
+    assert [h["world_size"] for h in curve] == [2] * SHRINK_AT + [1] * (GROW_AT - SHRINK_AT) + [2] * (STEPS - GROW_AT)
+    assert [h["world_size"] for h in reference] == [2] * STEPS
+    assert [h["loss"] for h in curve] == pytest.approx([h["loss"] for h in reference], rel=1e-4)
+    assert reference[-1]["loss"] < 0.9 * reference[0]["loss"]  # a curve that moves, so the match means something
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("3", 3), ("1-4", (1, 4)), (" 2 - 8 ", (2, 8)), ((1, 2), (1, 2)), ([2, 3], (2, 3)), ("2-2", 2)],
+)
+def test_num_workers_takes_a_count_or_a_range(given, expected):
+    assert parse_num_workers(given) == expected
+    assert RayFinetuneConfig(num_workers=given).num_workers == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [("0", "expected at least 1"), ("3-1", "1 <= MIN <= MAX"), ("0-2", "1 <= MIN <= MAX"), ("two", "MIN-MAX"),
+     ((1, 2, 3), "MIN-MAX"), (True, "MIN-MAX")],
+)  # fmt: skip
+def test_num_workers_rejects_what_is_not_a_count_or_a_range(given, message):
+    with pytest.raises(ValueError, match=message):
+        RayFinetuneConfig(num_workers=given)
+
+
+def test_global_batch_size_sets_accumulation_per_world_size():
+    config = RayFinetuneConfig(num_workers="1-4", per_device_train_batch_size=2, global_batch_size=24)
+    assert [config.gradient_accumulation_for(w) for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    assert [2 * config.gradient_accumulation_for(w) * w for w in (1, 2, 3, 4)] == [24] * 4
+    assert RayFinetuneConfig(num_workers=2, gradient_accumulation_steps=3).gradient_accumulation_for(1) == 3
+    with pytest.raises(ValueError, match="not a positive multiple of .* 2 \\* 3 = 6"):
+        accumulation_for_global_batch(8, per_device=2, world_size=3)
+    with pytest.raises(ValueError, match="per_device_train_batch_size \\* world size = 4 \\* 3 = 12"):
+        RayFinetuneConfig(num_workers="2-3", global_batch_size=16)  # fine at 2 workers, not at 3
+    with pytest.raises(ValueError, match="give one"):
+        RayFinetuneConfig(global_batch_size=16, gradient_accumulation_steps=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("resources_per_worker", "{CPU: 1}"), ("resources_per_worker", '["CPU"]'), ("resources_per_worker", '{"CPU": -1}'),
+     ("checkpoint_upload", "later"), ("resize_check_interval_s", -1.0)],
+)  # fmt: skip
+def test_bad_ray_flags_are_rejected_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        RayFinetuneConfig(**{field: value})
