@@ -80,6 +80,12 @@ class MasterRows:
             rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True)
             if rows.dtype != bucket.dtype:
                 rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
+            if self.world_size == 1:  # the rows are the whole params: nothing to gather
+                with record_function("hf_lowzero::unpack_bucket"):
+                    unpack_bucket(bucket, rows, 1, self._unpack_targets[bucket.index])
+                if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
+                    self.pool.give(rows)
+                continue
             out = self.pool.take(self.world_size * bucket.row_numel, bucket.dtype, bucket.device)
             in_flight.append((bucket, rows, out, comm.all_gather(out, rows, self.group, async_op=True)))
             if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
