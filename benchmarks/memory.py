@@ -1,6 +1,8 @@
 """Per-rank memory of DDP vs ZeRO stage 1 and 2, against the ZeRO formulas.
 
-    python benchmarks/memory.py            # world sizes 1, 2, 4; fp32 and bf16; ~23M-param GPT-2
+    python benchmarks/memory.py                  # both tables (~25 min on 2 cores, mostly the 124M one)
+    python benchmarks/memory.py --part formula   # world sizes 1, 2, 4; fp32 and bf16; ~23M-param GPT-2
+    python benchmarks/memory.py --part peak      # peak RSS while training, GPT-2 124M shape, W = 2, 4
 
 Model-state bytes come from the live tensors after two training steps, with the gradients of the
 next backward held (params + gradients + optimizer state, master rows included; for DDP its
@@ -19,6 +21,7 @@ Writes results/memory.md, results/memory.json and results/memory.png.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -108,7 +111,17 @@ def run(world: int, mode: str, dtype: str, size: tuple[int, int, int], rows: lis
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Per-rank memory of DDP vs ZeRO stage 1 and 2")
+    parser.add_argument("--part", choices=["formula", "peak", "all"], default="all")
+    part = parser.parse_args().part
     RESULTS.mkdir(exist_ok=True)
+    if part in ("formula", "all"):
+        formula_table()
+    if part in ("peak", "all"):
+        peak_table()
+
+
+def formula_table() -> None:
     modes = [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero1_no_sync", "fp32")]
     modes += [("zero2_frozen", "fp32"), ("zero1", "bf16"), ("zero2", "bf16")]
     rows: list[dict] = []
@@ -125,6 +138,8 @@ def main() -> None:
     print(write_results("memory", rows, cols, header))
     plot(rows)
 
+
+def peak_table() -> None:
     peak_rows: list[dict] = []
     for world in (2, 4):
         for mode, dtype in [("ddp", "fp32"), ("zero1", "fp32"), ("zero2", "fp32"), ("zero2", "bf16")]:

@@ -1,6 +1,6 @@
 """Step time of ZeRO stage 1/2 against DDP, world size 2 on CPU, setups interleaved.
 
-    python benchmarks/step_time.py              # ~6 min; results/step_time.{md,json,png}
+    python benchmarks/step_time.py              # ~5 min; results/step_time.{md,json,png}
 
 All setups of one model live in the same process group and are timed in turns, A B C A B C ...,
 ROUNDS rounds of STEPS optimizer steps each (after warm-up), so that a machine that drifts or
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from benchmarks.common import RESULTS, ManySmall, bar_plot, collect, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 
-ROUNDS, STEPS, WARMUP, PROFILED = 9, 3, 2, 3
+ROUNDS, STEPS, WARMUP, PROFILED = 15, 3, 2, 3
 PACKAGE = str(Path(__file__).resolve().parents[1] / "hf_lowzero")
 
 

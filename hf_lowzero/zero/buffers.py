@@ -1,6 +1,6 @@
 """Reusable flat buffers for bucket communication.
 
-A bucket's collective needs bucket-sized scratch tensors (the packed gradients, the all-to-all
+A bucket's collective needs bucket-sized scratch tensors (the packed gradients, the gloo
 receive buffer, the all-gather output). On CUDA the caching allocator recycles them for free. On
 CPU every fresh allocation of that size is new memory from the OS and pays a page fault per page
 on first touch: 8 ms for a 22 MB buffer against 2 ms to reuse one (measured with torch 2.13 on

@@ -73,27 +73,49 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
 
 
-class _SumOnWait:
-    """Work handle of a reduce-scatter done as an all-to-all: ``wait()`` waits for the exchange,
-    then sums the W chunks received (one from each rank, all for this rank) into ``output``,
-    which may be the first chunk of the receive buffer itself (then it adds in place)."""
+# [Note: gloo point-to-point]
+# On gloo, a reduce-scatter or all-gather of a bucket is done as W-1 sends and W-1 receives posted
+# at once (batch_isend_irecv), one per peer: the same (W-1)/W of the payload per rank as the
+# bandwidth-optimal collective, and much faster than gloo's own collectives on CPU. Measured with
+# torch 2.13, 11 MB rows, 2-core machine: all-gather 15 ms vs 30 ms (all_gather_into_tensor) at
+# W=2 and 55 vs 130 ms at W=4; reduce-scatter 12 ms vs 30 ms (reduce_scatter_tensor) at W=2.
+# Every rank posts its bucket exchanges in the same (plan) order, and gloo matches sends to
+# receives in order per peer, so exchanges in flight at once never mix. The received chunks of a
+# reduce-scatter are summed in rank order, which is what a sum over ranks does on every backend.
+# NCCL and other backends use their native collectives.
 
-    def __init__(self, work, received: torch.Tensor, output: torch.Tensor, world_size: int) -> None:
-        self.work, self.received, self.output, self.world_size = work, received, output, world_size
+
+class _Exchange:
+    """Work handle of a point-to-point exchange: ``wait()`` waits for every send and receive, then
+    runs ``finish`` (the local part: the rank-order sum of a reduce-scatter)."""
+
+    def __init__(self, works: list, finish=None) -> None:
+        self.works, self.finish = works, finish
 
     def wait(self) -> None:
-        self.work.wait()
-        chunks = self.received.view(self.world_size, -1)
-        if self.output.data_ptr() == chunks.data_ptr():
-            for chunk in chunks[1:]:
-                self.output.add_(chunk)
-        else:
-            torch.sum(chunks, dim=0, out=self.output)
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
 
 
-def reduce_scatter_uses_workspace(group: ProcessGroup | None) -> bool:
-    """Whether :func:`reduce_scatter` on ``group`` receives into a workspace (gloo, W > 1)."""
+def uses_point_to_point(group: ProcessGroup | None) -> bool:
+    """Whether :func:`reduce_scatter` and :func:`all_gather` on ``group`` exchange chunks point to
+    point (gloo, W > 1; see [Note: gloo point-to-point])."""
     return dist.get_backend(group) == "gloo" and group_size(group) > 1
+
+
+def _exchange(send: list[torch.Tensor], receive: list[torch.Tensor], group: ProcessGroup | None) -> list:
+    """Post, for every peer r != this rank, a send of ``send[r]`` and a receive into ``receive[r]``."""
+    rank, ops = group_rank(group), []
+    for peer in range(group_size(group)):
+        if peer != rank:
+            global_peer = peer if group is None else dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
+            ops.append(dist.P2POp(dist.irecv, receive[peer], global_peer, group))
+    return dist.batch_isend_irecv(ops)
 
 
 def reduce_scatter(
@@ -105,19 +127,27 @@ def reduce_scatter(
 ):
     """Sum ``input`` (1D, rank-major, ``W * output.numel()``) over ranks; rank r receives chunk r.
 
-    On gloo it is an all-to-all of the chunks plus a local sum: the same (W-1)/W bytes per rank
-    as a reduce-scatter, and 2-3x faster than gloo's own reduce-scatter (which is slower than its
-    all-reduce). It receives into ``workspace`` (like ``input``; allocated when None), which must
-    stay untouched until the work is waited for; ``output`` may be ``workspace``'s first chunk.
-    NCCL and other backends use their native reduce-scatter.
+    On gloo (see [Note: gloo point-to-point]) the peers' chunks are received into ``workspace``
+    (like ``input``; allocated when None), which must stay untouched until the work is waited
+    for; ``output`` may be ``workspace``'s first chunk. The sum runs in ``wait()``.
     """
     world_size = group_size(group)
     comm_stats.record("reduce_scatter", _nbytes(input), world_size)
-    if not reduce_scatter_uses_workspace(group):
+    if not uses_point_to_point(group):
         return _reduce_scatter_impl(output, input, group=group, async_op=async_op)
-    received = torch.empty_like(input) if workspace is None else workspace
-    work = dist.all_to_all_single(received, input, group=group, async_op=True)
-    pending = _SumOnWait(work, received, output, world_size)
+    rank = group_rank(group)
+    chunks = input.view(world_size, -1)
+    received = (torch.empty_like(input) if workspace is None else workspace).view(world_size, -1)
+    works = _exchange(list(chunks), list(received), group)
+
+    def rank_order_sum() -> None:
+        parts = [chunks[r] if r == rank else received[r] for r in range(world_size)]
+        if output.data_ptr() != parts[0].data_ptr():
+            output.copy_(parts[0])
+        for part in parts[1:]:
+            output.add_(part)
+
+    pending = _Exchange(works, rank_order_sum)
     if async_op:
         return pending
     pending.wait()
@@ -126,8 +156,17 @@ def reduce_scatter(
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
     """Concatenate every rank's ``input`` into ``output`` (1D, rank-major)."""
-    comm_stats.record("all_gather", _nbytes(output), group_size(group))
-    return _all_gather_impl(output, input, group=group, async_op=async_op)
+    world_size = group_size(group)
+    comm_stats.record("all_gather", _nbytes(output), world_size)
+    if not uses_point_to_point(group):
+        return _all_gather_impl(output, input, group=group, async_op=async_op)
+    chunks = output.view(world_size, -1)
+    pending = _Exchange(_exchange([input] * world_size, list(chunks), group))
+    chunks[group_rank(group)].copy_(input)  # local, while the peers' chunks travel
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def barrier(group: ProcessGroup | None) -> None:

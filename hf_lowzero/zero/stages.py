@@ -95,7 +95,7 @@ class BucketReducer:
         flat = take(self.world_size * bucket.row_numel)
         with record_function("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, flat, self.world_size)
-        workspace = take(flat.numel()) if comm.reduce_scatter_uses_workspace(self.group) else None
+        workspace = take(flat.numel()) if comm.uses_point_to_point(self.group) else None
         if direct is not None:
             out = direct
         elif workspace is not None:
