@@ -1,10 +1,19 @@
-"""Ray Train: every shard reaches the reported checkpoint, each file uploaded by one rank; a worker
-killed while its checkpoint upload is in flight is restarted from the last complete checkpoint (Ray
-never hands out the partial one) and the run ends exactly like an uninterrupted one; a rerun with
-fewer workers resumes the same checkpoint, resharded."""
+"""Ray Train, through the main job as a person runs it and through the library.
+
+The main job (``python ray_jobs/finetune.py``) with a worker killed while its checkpoint upload is
+in flight: its console has one progress line per logging step of each attempt, from the first rank
+only, none of Ray's known noise, and a summary that counts the restart and names a
+``from_pretrained`` directory holding the final checkpoint's consolidated weights. Ray registered
+only complete checkpoints (never the killed round's partial one), the restart resumed the last
+complete one, and the run ends exactly like an uninterrupted one. Every shard reaches the reported
+checkpoint, each file uploaded by one rank; a rerun with fewer workers resumes the same checkpoint,
+resharded. ``Trainer.hyperparameter_search(backend="ray")`` builds a ZeRO optimizer per trial."""
 
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +29,45 @@ from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
 from tests.ray_checkpoints import missing_files, step_of  # noqa: E402
 from tests.trainer_runs import make_args  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE = 12, 4
+KILL_AT = 2 * SAVE  # a checkpoint step: rank 1 dies right after its report, its upload in flight
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+WORKER_LINE = re.compile(r"^\(RayTrainWorker pid=(\d+)(?:, ip=[^)]*)?\) (.*)$")
+ATTEMPT_LINE = re.compile(r"^\[hf_lowzero\] attempt (\d+): (?:resuming at step (\d+)/\d+|.*)")
+STEP_LINE = re.compile(
+    r"^step +(\d+)/(\d+) \[[#.]{20}\] +\d+% \| loss (\d+\.\d{4}) \| lr \S+ \| grad_norm \S+ \| world 2$"
+)
+KNOWN_NOISE = (
+    "Failed to query Ray Train Controller",  # PlacementGroupCleaner without a state API
+    "Found multiple active Ray instances",  # ... guessing which cluster to ask
+    "PreemptionWatcher",  # core_worker.cc warning about its constructor arguments
+    "Reporting training result",  # Ray Train, every report from every rank
+    "Checkpoint successfully created",
+    "Writing model shards",  # transformers' tqdm on every save
+    "loss_type=None",  # GPT2LMHeadModel's loss warning
+    "mtime may not be reliable",
+    "{'loss':",  # the Trainer's PrinterCallback
+)
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def killed_job(tmp_path_factory):
+    """One run of the main job whose last rank is killed at step KILL_AT: (console lines, summary,
+    storage). Runs before this module starts its own Ray instance (it starts one of its own)."""
+    storage = tmp_path_factory.mktemp("runs")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, str(ROOT / "ray_jobs/finetune.py"), "--max-steps", str(STEPS), "--save-steps", str(SAVE),
+           "--inject-failure-at-step", str(KILL_AT), "--storage-path", str(storage), "--name", "killed"]  # fmt: skip
+    run = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
+    console = ANSI.sub("", run.stdout)
+    assert run.returncode == 0, console[-5000:]
+    summary = dict(re.findall(r"^(final loss|restarts survived|checkpoint|model) +(.*)$", console, re.M))
+    return console.splitlines(), summary, storage
+
+
+@pytest.fixture(scope="module")
+def local_ray(killed_job):
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     root = str(Path(__file__).resolve().parents[1])  # workers import tests.* (model_init below)
     runtime_env = {"env_vars": {"PYTHONPATH": root}}
@@ -38,32 +81,91 @@ def final_state(result) -> tuple[Path, dict[str, torch.Tensor]]:
     return trainer_ckpt, consolidate_checkpoint(trainer_ckpt / "zero_optimizer")
 
 
-def test_worker_failure_resumes_to_the_same_result(local_ray, tmp_path):
+def trainer_losses(trainer_checkpoint: Path) -> dict[int, float]:
+    """The loss the Trainer logged at each step, from the final checkpoint's trainer_state.json."""
+    history = json.loads((trainer_checkpoint / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def test_console_has_one_line_per_logging_step_of_each_attempt_from_the_first_rank(killed_job):
+    lines, summary, _ = killed_job
+    attempts: list[dict] = []  # per attempt: the first rank's pid, where it resumed, its step lines
+    for line in lines:
+        worker = WORKER_LINE.match(line)
+        if worker is None:
+            continue
+        pid, text = worker.groups()
+        if started := ATTEMPT_LINE.match(text):
+            assert int(started.group(1)) == len(attempts) + 1, line
+            attempts.append({"pid": pid, "resumed": int(started.group(2) or 0), "steps": []})
+        elif step := STEP_LINE.match(text):
+            assert attempts and pid == attempts[-1]["pid"], f"a line not from the first rank: {line!r}"
+            assert int(step.group(2)) == STEPS
+            attempts[-1]["steps"].append((int(step.group(1)), step.group(3)))
+
+    assert len(attempts) == 2, "expected the first attempt and one restart"
+    assert attempts[0]["resumed"] == 0
+    # Rank 1 dies after step KILL_AT was logged, while its checkpoint uploads: the restart resumes the
+    # step-SAVE checkpoint, the last one every rank's upload completed.
+    assert [s for s, _ in attempts[0]["steps"]] == list(range(1, KILL_AT + 1))
+    assert attempts[1]["resumed"] == SAVE
+    assert [s for s, _ in attempts[1]["steps"]] == list(range(attempts[1]["resumed"] + 1, STEPS + 1))
+    logged = trainer_losses(Path(summary["checkpoint"]))
+    for attempt in attempts:
+        for step, loss in attempt["steps"]:
+            assert loss == f"{logged[step]:.4f}", f"step {step}"
+
+
+def test_console_carries_the_failure_and_none_of_the_known_noise(killed_job):
+    lines, _, _ = killed_job
+    assert [line for line in lines if any(noise in line for noise in KNOWN_NOISE)] == []
+    assert any(line.endswith(f"[hf_lowzero] injecting a failure: killing rank 1 at step {KILL_AT}") for line in lines)
+
+
+def test_summary_counts_the_restart_and_names_the_final_checkpoint(killed_job):
+    _, summary, storage = killed_job
+    assert summary["restarts survived"] == "1"
+    final = Path(summary["checkpoint"])
+    assert final.name == f"checkpoint-{STEPS}" and final.parent.parent == storage / "killed"
+    assert summary["final loss"] == f"{trainer_losses(final)[STEPS]:.4f} at step {STEPS}/{STEPS}"
+    assert summary["model"].split()[0] == str(storage / "killed" / "export")
+
+
+def test_exported_model_loads_with_from_pretrained_and_holds_the_consolidated_weights(killed_job):
+    from transformers import AutoModelForCausalLM
+
+    _, summary, _ = killed_job
+    model = AutoModelForCausalLM.from_pretrained(summary["model"].split()[0])
+    reference = consolidate_checkpoint(Path(summary["checkpoint"]) / "zero_optimizer")
+    params = dict(model.named_parameters())
+    assert set(params) == set(reference)
+    for name, value in reference.items():
+        assert params[name].dtype == torch.float32
+        torch.testing.assert_close(params[name].detach(), value, rtol=0, atol=0, msg=name)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as trained
+    logits = model(torch.tensor([list(b"ZeRO ")])).logits
+    assert logits.shape == (1, 5, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_worker_failure_resumes_to_the_same_result(killed_job, local_ray, tmp_path):
+    _, summary, storage = killed_job
     clean = run_finetune(
         RayFinetuneConfig(num_workers=2, max_steps=STEPS, save_steps=SAVE, storage_path=str(tmp_path), name="clean")
     )
-    faulty = run_finetune(
-        RayFinetuneConfig(
-            num_workers=2,
-            max_steps=STEPS,
-            save_steps=SAVE,
-            storage_path=str(tmp_path),
-            name="faulty",
-            inject_failure_at_step=2 * SAVE,  # a checkpoint step: rank 1 dies while its upload is in flight
-        )
-    )
-    assert clean.error is None and faulty.error is None
-    assert (tmp_path / "faulty" / FAILURE_MARKER).exists(), "the failure was not injected"
+    faulty = ray.train.Result.from_path(str(storage / "killed"))  # what Ray registered for the killed run
+    assert clean.error is None
+    assert (storage / "killed" / FAILURE_MARKER).exists(), "the failure was not injected"
 
     # Ray registered only complete checkpoints; the killed round's partial folder stays unregistered,
     # and the restart resumed the last complete checkpoint (step SAVE), not the partial one.
     registered = {Path(c.path) for c, _ in faulty.best_checkpoints}
     assert all(missing_files(c) == [] for c in registered)
-    partial = [d for d in (tmp_path / "faulty").glob("checkpoint_*") if d.is_dir() and missing_files(d)]
-    assert [step_of(d) for d in partial] == [2 * SAVE], "the killed rank's upload was not cut short"
+    partial = [d for d in (storage / "killed").glob("checkpoint_*") if d.is_dir() and missing_files(d)]
+    assert [step_of(d) for d in partial] == [KILL_AT], "the killed rank's upload was not cut short"
     assert "zero_optimizer/zero_shard_rank00001_of_00002.safetensors" in missing_files(partial[0])
     assert not registered & set(partial)
     assert faulty.metrics["resumed_from_step"] == SAVE
+    assert Path(summary["checkpoint"]).parent == Path(faulty.checkpoint.path)
 
     clean_dir, clean_weights = final_state(clean)
     faulty_dir, faulty_weights = final_state(faulty)
