@@ -73,8 +73,7 @@ class MasterRows:
             with record_function("hf_lowzero::unpack_bucket"):
                 unpack_bucket(bucket, out, self.world_size, self._unpack_targets[bucket.index])
             self.pool.give(out)
-            if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
-                self.pool.give(rows)
+            self._release(bucket, rows)
 
         for bucket in self.buckets:
             rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True)
@@ -83,8 +82,7 @@ class MasterRows:
             if self.world_size == 1:  # the rows are the whole params: nothing to gather
                 with record_function("hf_lowzero::unpack_bucket"):
                     unpack_bucket(bucket, rows, 1, self._unpack_targets[bucket.index])
-                if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
-                    self.pool.give(rows)
+                self._release(bucket, rows)
                 continue
             out = self.pool.take(self.world_size * bucket.row_numel, bucket.dtype, bucket.device)
             in_flight.append((bucket, rows, out, comm.all_gather(out, rows, self.group, async_op=True)))
@@ -92,6 +90,12 @@ class MasterRows:
                 finish(*in_flight.pop(0))
         for item in in_flight:
             finish(*item)
+
+    def _release(self, bucket: Bucket, rows: torch.Tensor) -> None:
+        """Give ``rows`` back to the pool when it is a pooled copy in the params' dtype, not the
+        master rows themselves."""
+        if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
+            self.pool.give(rows)
 
 
 def unpack_targets(bucket: Bucket, world_size: int) -> list[torch.Tensor | None]:

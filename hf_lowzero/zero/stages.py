@@ -76,6 +76,7 @@ class BucketReducer:
         self.allows_no_sync = stage == 1
         self.store = grad_rows
         self.pool = pool
+        self._needs_workspace = comm.uses_point_to_point(group)  # a receive buffer per bucket
 
     def launch(self, bucket: Bucket) -> None:
         dtype = self.comm_dtype or bucket.dtype
@@ -95,7 +96,7 @@ class BucketReducer:
         flat = take(self.world_size * bucket.row_numel)
         with record_function("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, flat, self.world_size)
-        workspace = take(flat.numel()) if comm.uses_point_to_point(self.group) else None
+        workspace = take(flat.numel()) if self._needs_workspace else None
         if direct is not None:
             out = direct
         elif workspace is not None:
