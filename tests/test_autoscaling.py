@@ -22,14 +22,12 @@ from ray.autoscaler._private.util import prepare_config, validate_config  # noqa
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 
 from hf_lowzero.ray import RayFinetuneConfig  # noqa: E402
-from hf_lowzero.ray.launch import worker_arguments  # noqa: E402
 from hf_lowzero.ray.local_cluster import (  # noqa: E402
     LocalAutoscalingCluster,
     WorkerNodeSampler,
     load_fake_cluster_config,
 )
-from hf_lowzero.recipes.clm import finetune_clm  # noqa: E402
-from hf_lowzero.testing import run_distributed  # noqa: E402
+from tests.ray_reference import losses_without_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_CONFIG = ROOT / "ray_jobs" / "local_autoscaling.yaml"
@@ -71,15 +69,6 @@ def trial_results(storage: Path) -> dict[tuple[float, int], tuple[float, dict]]:
     return results
 
 
-def reference_body(rank, world_size, trial_config, out):
-    """A trial's training without Ray: the same worker arguments in a 2-process gloo group."""
-    base = trial_config["base"] | {k: trial_config[k] for k in ("learning_rate", "zero_stage")}
-    model_args, args = worker_arguments(RayFinetuneConfig(**base), out, world_size)
-    trainer, _ = finetune_clm(model_args, args)
-    if rank == 0:
-        Path(out, "loss").write_text(repr([h["loss"] for h in trainer.state.log_history if "loss" in h][-1]))
-
-
 def test_sweep_trials_get_worker_nodes_that_go_when_idle(cluster, tmp_path):
     assert cluster.alive_worker_nodes() == []
     head = cluster.head_node_id()
@@ -102,9 +91,8 @@ def test_sweep_trials_get_worker_nodes_that_go_when_idle(cluster, tmp_path):
     assert set(results) == {(1e-3, 2), (3e-3, 2)}
     losses = {key: loss for key, (loss, _) in results.items()}
     for key, (loss, trial_config) in results.items():
-        reference = tmp_path / f"reference_{key[0]}"
-        run_distributed(reference_body, 2, trial_config=trial_config, out=str(reference))
-        assert loss == float((reference / "loss").read_text()), key
+        config = RayFinetuneConfig(**trial_config["base"] | {"learning_rate": key[0], "zero_stage": key[1]})
+        assert loss == losses_without_ray(config, tmp_path / f"reference_{key[0]}", world_size=2)[-1]["loss"], key
     assert losses[(1e-3, 2)] != losses[(3e-3, 2)]  # the trials did get their own configs
     best = re.search(r"best trial: lr=(\S+) zero_stage=(\d+)", out)
     assert (float(best[1]), int(best[2])) == min(losses, key=losses.get)

@@ -24,10 +24,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback  # noqa: E
 
 from hf_lowzero.ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers  # noqa: E402
-from hf_lowzero.ray.launch import worker_arguments  # noqa: E402
-from hf_lowzero.recipes.clm import DEFAULT_CORPUS, finetune_clm  # noqa: E402
-from hf_lowzero.testing import run_distributed  # noqa: E402
+from hf_lowzero.recipes.clm import DEFAULT_CORPUS  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of, trainer_checkpoint  # noqa: E402
+from tests.ray_reference import losses_without_ray  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
 SHRINK_AT, GROW_AT = SAVE, 2 * SAVE  # checkpoint steps after which capacity changes
@@ -103,13 +102,6 @@ def loss_curve(result) -> list[dict]:
     return [h for h in history["log_history"] if "loss" in h]
 
 
-def fixed_size_body(rank, world_size, config, out):
-    model_args, args = worker_arguments(config, out, world_size)
-    trainer, _ = finetune_clm(model_args, args)
-    if rank == 0:
-        Path(out, "losses.json").write_text(json.dumps([h for h in trainer.state.log_history if "loss" in h]))
-
-
 def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cluster, no_dropout_model, tmp_path):
     cluster, nodes = slot_cluster
     model_dir, corpus = no_dropout_model
@@ -118,8 +110,7 @@ def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cl
                   num_to_keep=STEPS // SAVE, resize_check_interval_s=1)  # fmt: skip
     # The reference: the same training at a fixed 2 workers, without Ray (the sweep test in
     # test_autoscaling.py shows a Ray worker and a plain gloo rank train bit for bit alike).
-    fixed = tmp_path / "fixed"
-    run_distributed(fixed_size_body, 2, config=RayFinetuneConfig(num_workers=2, name="fixed", **common), out=str(fixed))
+    reference = losses_without_ray(RayFinetuneConfig(num_workers=2, name="fixed", **common), tmp_path / "fixed", 2)
 
     signals = tmp_path / "signals"
     signals.mkdir()
@@ -143,7 +134,7 @@ def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cl
 
     # One continuous curve: every step once, in order, at the world size of its attempt, and the
     # same losses as the fixed-size run (same samples per step at either size).
-    curve, reference = loss_curve(elastic), json.loads((fixed / "losses.json").read_text())
+    curve = loss_curve(elastic)
     assert [h["step"] for h in curve] == list(range(1, STEPS + 1))
     assert [h["world_size"] for h in curve] == [2] * SHRINK_AT + [1] * (GROW_AT - SHRINK_AT) + [2] * (STEPS - GROW_AT)
     assert [h["step"] for h in reference] == list(range(1, STEPS + 1))

@@ -1,0 +1,26 @@
+"""The reference the Ray tests compare against: the fine-tune a Ray run's workers do, with the same
+worker arguments, in plain gloo ranks without Ray (a Ray worker and a plain rank train bit for bit
+alike, so a Ray run's losses must equal these exactly or within the test's tolerance)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hf_lowzero.ray import RayFinetuneConfig
+from hf_lowzero.ray.launch import worker_arguments
+from hf_lowzero.recipes.clm import finetune_clm
+from hf_lowzero.testing import run_distributed
+
+
+def _train_body(rank: int, world_size: int, config: RayFinetuneConfig, out: str) -> None:
+    model_args, args = worker_arguments(config, out, world_size)
+    trainer, _ = finetune_clm(model_args, args)
+    if rank == 0:
+        Path(out, "losses.json").write_text(json.dumps([h for h in trainer.state.log_history if "loss" in h]))
+
+
+def losses_without_ray(config: RayFinetuneConfig, out: Path, world_size: int) -> list[dict]:
+    """The Trainer's loss log (one entry per logging step) of ``config``'s training at ``world_size``."""
+    run_distributed(_train_body, world_size, config=config, out=str(out))
+    return json.loads((out / "losses.json").read_text())
