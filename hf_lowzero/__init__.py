@@ -26,13 +26,14 @@ __all__ = [
     "full_state_dict",
     "load_checkpoint",
     "save_checkpoint",
+    "with_zero",
 ]
 
 
 def __getattr__(name: str):
     # The Trainer layer needs transformers; import it only when asked for, so that
     # `import hf_lowzero` (and hf_lowzero.zero) works with torch alone.
-    if name in ("LowZeroTrainer", "LowZeroTrainingArguments"):
+    if name in ("LowZeroTrainer", "LowZeroTrainingArguments", "with_zero"):
         from hf_lowzero import trainer
 
         return getattr(trainer, name)

@@ -156,8 +156,9 @@ def features_body(rank, world_size, tmp):
         )
         assert (group["lr"], group["weight_decay"]) == (ref_group["lr"], ref_group["weight_decay"]), where
         if name == "torch_compile":
-            assert ours.model_wrapped.module is not ours.model, "torch_compile=True must compile the model"
-            assert type(ours.model_wrapped.module).__name__ == "OptimizedModule"
+            assert ours.model_wrapped is not ours.model, "torch_compile=True must compile the model"
+            assert type(ours.model_wrapped).__name__ == "OptimizedModule"
+            assert ours.accelerator.unwrap_model(ours.model_wrapped, keep_torch_compile=False) is ours.model
         if name.startswith("optimizers="):
             sd = ours.optimizer.state_dict()
             assert set(sd) >= {"state", "param_groups"} and all(isinstance(k, int) for k in sd["state"])

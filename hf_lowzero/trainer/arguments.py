@@ -1,5 +1,10 @@
 """LowZeroTrainingArguments: TrainingArguments plus the ZeRO switch and knobs, as CLI flags.
 
+``ZeroArguments`` holds the behaviour every ZeRO arguments class shares (validation, the
+``ZeroConfig`` the flags describe); ``LowZeroTrainingArguments`` adds the ``zero_*`` fields to
+``TrainingArguments``, and ``hf_lowzero.with_zero`` adds the same fields to any other
+``TrainingArguments`` subclass (TRL's configs, ``Seq2SeqTrainingArguments``).
+
 Example::
 
     parser = HfArgumentParser(LowZeroTrainingArguments)
@@ -20,9 +25,9 @@ from transformers import TrainingArguments
 from hf_lowzero.zero.config import ZeroConfig, check_stage
 
 
-@dataclass
-class LowZeroTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with ``zero_stage`` (0 = plain Trainer/DDP, 1, 2) and ZeroConfig knobs.
+class ZeroArguments:
+    """What every ZeRO arguments class does with its ``zero_*`` fields; mixed in before a
+    ``TrainingArguments`` class (``LowZeroTrainingArguments``, or ``with_zero(SFTConfig)``).
 
     ``max_grad_norm`` becomes ZeRO's global-norm clipping; ``bf16``/``fp16`` become 16-bit params
     with fp32 master rows (no autocast, no GradScaler: the optimizer scales fp16 losses itself).
@@ -30,26 +35,12 @@ class LowZeroTrainingArguments(TrainingArguments):
     file with any ``ZeroConfig`` fields, e.g. ``'{"initial_scale": 1024, "hysteresis": 1}'``.
     """
 
-    zero_stage: int = field(
-        default=0,
-        metadata={"help": "ZeRO stage: 0 = off (plain Trainer/DDP), 1 = shard optimizer state, 2 = also gradients"},
-    )
-    zero_reduce_bucket_mb: float | None = field(
-        default=None, metadata={"help": "MiB of gradient per reduction bucket (25)"}
-    )
-    zero_overlap_communication: bool | None = field(
-        default=None, metadata={"help": "Overlap gradient reduction with backward (True)"}
-    )
-    zero_communication_dtype: str | None = field(
-        default=None, metadata={"help": "dtype of gradient reductions: fp32, bf16, fp16 (default: the params' dtype)"}
-    )
-    zero_offload_optimizer: bool | None = field(
-        default=None,
-        metadata={"help": "Keep fp32 master weights, optimizer state and gradient rows in host memory (False)"},
-    )
-    zero_config: str | None = field(
-        default=None, metadata={"help": "Other ZeroConfig fields: a JSON object or a path to a JSON file"}
-    )
+    zero_stage: int
+    zero_reduce_bucket_mb: float | None
+    zero_overlap_communication: bool | None
+    zero_communication_dtype: str | None
+    zero_offload_optimizer: bool | None
+    zero_config: str | None
 
     def __post_init__(self) -> None:
         if not self.use_cpu and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -81,6 +72,34 @@ class LowZeroTrainingArguments(TrainingArguments):
             return ZeroConfig(**base)
         except TypeError as e:
             raise ValueError(f"zero_config has an unknown field: {e}") from e
+
+
+@dataclass
+class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
+    """``TrainingArguments`` with ``zero_stage`` (0 = plain Trainer/DDP, 1, 2) and ZeroConfig knobs
+    (see ``ZeroArguments``). ``with_zero(TrainingArguments)`` is this class.
+    """
+
+    zero_stage: int = field(
+        default=0,
+        metadata={"help": "ZeRO stage: 0 = off (plain Trainer/DDP), 1 = shard optimizer state, 2 = also gradients"},
+    )
+    zero_reduce_bucket_mb: float | None = field(
+        default=None, metadata={"help": "MiB of gradient per reduction bucket (25)"}
+    )
+    zero_overlap_communication: bool | None = field(
+        default=None, metadata={"help": "Overlap gradient reduction with backward (True)"}
+    )
+    zero_communication_dtype: str | None = field(
+        default=None, metadata={"help": "dtype of gradient reductions: fp32, bf16, fp16 (default: the params' dtype)"}
+    )
+    zero_offload_optimizer: bool | None = field(
+        default=None,
+        metadata={"help": "Keep fp32 master weights, optimizer state and gradient rows in host memory (False)"},
+    )
+    zero_config: str | None = field(
+        default=None, metadata={"help": "Other ZeroConfig fields: a JSON object or a path to a JSON file"}
+    )
 
 
 def _load_json_config(value: str | None) -> dict:

@@ -7,8 +7,8 @@ Example::
 
 With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
 - flags that cannot work with sharded optimizer state are refused at construction (``compat.py``);
-- the model is not wrapped in DDP (the optimizer synchronizes gradients); data is still sharded;
-  ``torch_compile`` compiles it as accelerate would;
+- the model is not wrapped at all (the optimizer synchronizes gradients; see [Note: no wrapper]);
+  data is still sharded; ``torch_compile`` compiles it as accelerate would;
 - ``bf16``/``fp16`` cast the params once; the accelerator gets no mixed precision (no autocast,
   no GradScaler); fp16 losses are scaled by the optimizer;
 - the optimizer Trainer builds (or the one given in ``optimizers=``) is wrapped, and rebuilt for
@@ -19,11 +19,23 @@ With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
 - every rank's optimizer shard is saved into ``checkpoint-N/zero_optimizer`` (trainable state
   only: the Trainer saves the model) and resumed at the same or another world size; checkpoint
   names are the uncompiled model's.
+
+``hf_lowzero.with_zero`` gives the same to any ``Trainer`` subclass (TRL's, ``Seq2SeqTrainer``).
+
+# [Note: no wrapper]
+DDP's job, synchronizing gradients, is the ZeRO optimizer's, so the model the Trainer trains is the
+model itself (or its compiled form): ``accelerator.unwrap_model``, which TRL's generation, PEFT and
+user code call to reach the ``PreTrainedModel``, finds it as it finds a DDP-wrapped one. What DDP
+did through accelerate is routed to the optimizer on the accelerator instead: ``prepare_model``
+applies only what it applies to a model for evaluation (placement, ``torch_compile``; never DDP),
+``backward`` goes through ``LowLevelZeroOptimizer.backward`` and ``no_sync(model)`` is the
+optimizer's under stage 1 and a no-op under stage 2 (which must reduce every micro-batch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -35,8 +47,9 @@ from transformers import Trainer
 
 from hf_lowzero.checkpoint import load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
-from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, ZeroArguments
 from hf_lowzero.trainer.compat import check_trainer_flags
+from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.zero.config import parse_dtype
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 from hf_lowzero.zero.params import canonical_name
@@ -45,37 +58,20 @@ SCHEDULER_NAME = "scheduler.pt"
 logger = logging.getLogger(__name__)
 
 
-class ZeroTrainingModule(nn.Module):
-    """What the Trainer trains under ZeRO: the model itself (no DDP; compiled if asked), plus a
-    ``no_sync()`` that accelerate's ``Accelerator.no_sync`` picks up: the optimizer's under stage 1,
-    a no-op under stage 2 (which must reduce every micro-batch)."""
-
-    def __init__(self, module: nn.Module, optimizer: LowLevelZeroOptimizer) -> None:
-        super().__init__()
-        self.module = module
-        self._zero_optimizer = optimizer  # not a submodule
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        if self._zero_optimizer.reducer.allows_no_sync:
-            return self._zero_optimizer.no_sync()
-        return contextlib.nullcontext()
-
-
 class LowZeroTrainer(Trainer):
     """A ``Trainer`` that runs ZeRO stage 1/2 when ``args.zero_stage`` > 0 (see the module docstring)."""
 
     args: LowZeroTrainingArguments
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, LowZeroTrainingArguments):
+        given = given_arguments(type(self), args, kwargs)
+        if given is not None and not isinstance(given, ZeroArguments):
+            name = type(given).__name__
             raise TypeError(
-                f"LowZeroTrainer needs LowZeroTrainingArguments (got {type(self.args).__name__}); "
-                "build the arguments with hf_lowzero.LowZeroTrainingArguments(..., zero_stage=...)"
+                f"{type(self).__name__} needs arguments with the zero_* fields (got {name}); build them with "
+                f"hf_lowzero.with_zero({name})(..., zero_stage=...) (LowZeroTrainingArguments for TrainingArguments)"
             )
+        super().__init__(*args, **kwargs)
         self.zero_optimizer: LowLevelZeroOptimizer | None = None
         if self.zero_enabled:
             check_trainer_flags(self)
@@ -95,13 +91,28 @@ class LowZeroTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        if self.zero_enabled:
-            # Trainer.training_step ends in accelerator.backward(loss); route it through the ZeRO
-            # optimizer, which scales fp16 losses and synchronizes even where no param got a grad.
+        if self.zero_enabled:  # [Note: no wrapper]
+            self.accelerator.prepare_model = functools.partial(
+                self._prepare_without_ddp, self.accelerator.prepare_model
+            )
             self.accelerator.backward = self._zero_backward
+            self.accelerator.no_sync = self._zero_no_sync
+
+    def _prepare_without_ddp(self, prepare_model, model, device_placement=None, evaluation_mode=False):
+        # What accelerate does for evaluation (placement, torch_compile), never DDP. The trained model
+        # stays where it was when the optimizer took its params (moving it would replace them).
+        if model is self.model:
+            device_placement = False
+        return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def _zero_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        # Scales fp16 losses, and synchronizes even where no param got a gradient.
         self.zero_optimizer.backward(loss, **kwargs)
+
+    def _zero_no_sync(self, model=None):
+        if self.zero_optimizer is not None and self.zero_optimizer.reducer.allows_no_sync:
+            return self.zero_optimizer.no_sync()
+        return contextlib.nullcontext()
 
     def create_optimizer(self, model=None):
         if not self.zero_enabled:
@@ -132,16 +143,6 @@ class LowZeroTrainer(Trainer):
         # own GradScaler: mirror the ZeRO optimizer's verdict there.
         if self.optimizer is not optimizer:
             self.optimizer._is_overflow = not optimizer.last_step_applied
-
-    def _wrap_model(self, model, training: bool = True, dataloader=None):
-        if not self.zero_enabled or not training:
-            return super()._wrap_model(model, training, dataloader)
-        if isinstance(model, ZeroTrainingModule) and model._zero_optimizer is self.zero_optimizer:
-            return model
-        # evaluation_mode: no DDP; mixed precision is off under ZeRO, so this applies exactly
-        # what accelerate would: torch_compile (backend, mode, regional compilation) when asked.
-        module = self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
-        return ZeroTrainingModule(module, self.zero_optimizer)
 
     # ----------------------------------------------------------------- norms and logging
 
