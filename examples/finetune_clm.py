@@ -21,10 +21,11 @@ def main() -> None:
     model_args, args = parser.parse_args_into_dataclasses()
     trainer, metrics = finetune_clm(model_args, args, resume=args.resume_from_checkpoint)
     if trainer.is_world_process_zero():
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]  # none when logging_steps > steps
+        logged = f"first loss={losses[0]:.4f} last loss={losses[-1]:.4f} " if losses else ""
         print(
-            f"zero_stage={args.zero_stage} steps={trainer.state.global_step} first loss={losses[0]:.4f} "
-            f"last loss={losses[-1]:.4f} train_loss={metrics['train_loss']:.4f}"
+            f"zero_stage={args.zero_stage} steps={trainer.state.global_step} {logged}"
+            f"train_loss={metrics['train_loss']:.4f}"
         )
         print(f"model saved to {args.output_dir}")
 

@@ -231,5 +231,16 @@ def _ensure_process_group() -> None:
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("WORLD_SIZE > 1 but torch.distributed is not initialized; launch with torchrun or Ray")
+    if "ACCELERATE_USE_CPU" in os.environ and "MASTER_PORT" in os.environ:
+        # accelerate's single-process launcher sets ACCELERATE_USE_CPU always and MASTER_PORT only for
+        # --num_processes > 1: asked for several processes, it started this one alone ([Note:
+        # accelerate launch on CPU] in tests/test_accelerate_launch.py). Plain Trainer would train as
+        # one rank without a word.
+        raise RuntimeError(
+            "accelerate launch was asked for more than one process but started this script once: it does so "
+            "when it sees fewer than 2 GPUs and its config does not say MULTI_GPU. On CPU add --multi_gpu "
+            "(accelerate's torchrun launcher; its ranks run gloo on CPU) or launch with torchrun "
+            "--nproc-per-node N; on one GPU use --num_processes 1."
+        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -370,12 +370,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         got a gradient on any rank (DDP's unused-parameter detection). Padding rows are zero, so
         the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
         # Computed where the rows live (host memory with offload), reduced on the params' device;
-        # norms rather than sums of squares: no temporary as large as the rows.
+        # norms rather than sums of squares: no temporary as large as the rows. Accumulated in
+        # float64, as DeepSpeed does: an fp32 sum over rows of millions of elements is off by ~1e-4
+        # relative, and the clip coefficient with it.
         present = [rows for rows in grad_rows if rows is not None]
-        norms = torch._foreach_norm(present) if present else [torch.zeros(())]
+        norms = (
+            torch._foreach_norm(present, 2, dtype=torch.float64) if present else [torch.zeros((), dtype=torch.float64)]
+        )
         square_sum = torch.linalg.vector_norm(torch.stack(norms)).square().reshape(1)
-        used = torch.tensor(self._sync.locally_used, dtype=torch.float32)
-        stats = torch.cat([square_sum.float().to(self.device), used.to(self.device)])
+        used = torch.tensor(self._sync.locally_used, dtype=torch.float64)
+        stats = torch.cat([square_sum.to(self.device), used.to(self.device)])
         comm.all_reduce(stats, self.process_group)
         stats = stats.cpu()
         return math.sqrt(stats[0].item()), (stats[1:] > 0).tolist()
