@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint  # noqa: E402
 from hf_lowzero.ray import RayFinetuneConfig, run_finetune  # noqa: E402
-from hf_lowzero.ray.launch import FAILURE_MARKER  # noqa: E402
+from hf_lowzero.ray.faults import FAILURE_MARKER  # noqa: E402
 from hf_lowzero.ray.reporting import stage_owned_files  # noqa: E402
 from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
 from tests.ray_checkpoints import missing_files, step_of  # noqa: E402
