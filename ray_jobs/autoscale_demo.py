@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from hf_lowzero.ray.local_cluster import LocalAutoscalingCluster, WorkerNodeSampler  # noqa: E402
+from local_cluster import LocalAutoscalingCluster, WorkerNodeSampler  # noqa: E402  (ray_jobs/)
 
 IDLE_DEADLINE_S = 180
 

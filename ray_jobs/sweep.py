@@ -1,10 +1,11 @@
-"""A Ray Tune sweep over learning rate x ZeRO stage; each trial is a multi-worker fine-tune.
+"""A Ray Tune sweep over learning rate x ZeRO stage; each trial is a multi-worker causal-LM fine-tune.
 
     python ray_jobs/sweep.py                                       # local, 2 CPU workers per trial
     RAY_ADDRESS=auto python ray_jobs/sweep.py --use-gpu --num-workers 4 --max-concurrent 2 \
         --storage-path /mnt/shared/sweeps
 
-Prints every trial's final loss and the best trial.
+Prints every trial's final loss and the best trial. For a search over any TrainingArguments fields
+with your own training function, see ``examples/ray_sweep.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def trial(params: dict) -> None:
         "name": f"{params['base']['name']}_{tune.get_context().get_trial_id()}",
     }
     config = RayFinetuneConfig(**(params["base"] | overrides))
-    run_config = RunConfig(name=config.name, storage_path=config.storage_path, callbacks=[TuneReportCallback()])
-    build_trainer(config, run_config=run_config).fit()
+    # Merged with the job's RunConfig: the trial adds Tune's callback and keeps the job's name,
+    # storage, retry and checkpoint policy.
+    build_trainer(config, run_config=RunConfig(callbacks=[TuneReportCallback()])).fit()
 
 
 def main(argv=None) -> None:

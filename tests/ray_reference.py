@@ -8,14 +8,12 @@ import json
 from pathlib import Path
 
 from hf_lowzero.ray import RayFinetuneConfig
-from hf_lowzero.ray.launch import worker_arguments
 from hf_lowzero.recipes.clm import finetune_clm
 from hf_lowzero.testing import run_distributed
 
 
 def _train_body(rank: int, world_size: int, config: RayFinetuneConfig, out: str) -> None:
-    model_args, args = worker_arguments(config, out, world_size)
-    trainer, _ = finetune_clm(model_args, args)
+    trainer, _ = finetune_clm(config.clm_arguments(), config.training_arguments(out, world_size))
     if rank == 0:
         Path(out, "losses.json").write_text(json.dumps([h for h in trainer.state.log_history if "loss" in h]))
 

@@ -22,14 +22,12 @@ from ray.autoscaler._private.util import prepare_config, validate_config  # noqa
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 
 from hf_lowzero.ray import RayFinetuneConfig  # noqa: E402
-from hf_lowzero.ray.local_cluster import (  # noqa: E402
-    LocalAutoscalingCluster,
-    WorkerNodeSampler,
-    load_fake_cluster_config,
-)
 from tests.ray_reference import losses_without_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "ray_jobs"))  # the fake cluster is demo and test code, not the library's
+from local_cluster import LocalAutoscalingCluster, WorkerNodeSampler, load_fake_cluster_config  # noqa: E402
+
 LOCAL_CONFIG = ROOT / "ray_jobs" / "local_autoscaling.yaml"
 RAY_SCHEMA = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
 STEPS = 3

@@ -7,8 +7,15 @@ only, none of Ray's known noise, and a summary that counts the restart and names
 only complete checkpoints (never the killed round's partial one), the restart resumed the last
 complete one, and the run ends exactly like an uninterrupted one. Every shard reaches the reported
 checkpoint, each file uploaded by one rank; a rerun with fewer workers resumes the same checkpoint,
-resharded. ``Trainer.hyperparameter_search(backend="ray")`` builds a ZeRO optimizer per trial."""
+resharded. ``Trainer.hyperparameter_search(backend="ray")`` builds a ZeRO optimizer per trial.
 
+Your own training function (``examples/ray_classifier.py``: ``prepare_trainer`` and
+``resume_checkpoint`` around a BERT classifier) on a ``TorchTrainer``, a worker killed once, with
+storage Ray must download from: it ends with the parameters of the same training without Ray. A
+caller's ``RunConfig`` reaches the recipe's ``TorchTrainer``: a Tune trial whose worker is killed is
+retried under the trial's ``failure_config``."""
+
+import dataclasses
 import json
 import os
 import re
@@ -16,15 +23,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.fs
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
 
+from examples.ray_classifier import classifier_trainer, tiny_bert, train_func, training_arguments  # noqa: E402
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint  # noqa: E402
-from hf_lowzero.ray import RayFinetuneConfig, run_finetune  # noqa: E402
-from hf_lowzero.ray.launch import FAILURE_MARKER  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer, run_finetune  # noqa: E402
+from hf_lowzero.ray.attempts import count_attempts  # noqa: E402
+from hf_lowzero.ray.faults import FAILURE_MARKER  # noqa: E402
 from hf_lowzero.ray.reporting import stage_owned_files  # noqa: E402
+from hf_lowzero.testing import run_distributed  # noqa: E402
 from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
 from tests.ray_checkpoints import missing_files, step_of  # noqa: E402
 from tests.trainer_runs import make_args  # noqa: E402
@@ -234,3 +245,85 @@ def test_ray_tune_hyperparameter_search_builds_a_zero_optimizer_per_trial(local_
         plain.train()
         assert objectives[lr] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5), lr
     assert best.hyperparameters["learning_rate"] == min(objectives, key=objectives.get)
+
+
+def _classifier_without_ray(rank: int, world_size: int, out: str, overrides: dict) -> None:
+    trainer = classifier_trainer(training_arguments(out, **overrides))
+    trainer.train()
+    if rank == 0:
+        torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, Path(out) / "params.pt")
+        Path(out, "losses.json").write_text(json.dumps(trainer_losses_of(trainer.state.log_history)))
+
+
+def trainer_losses_of(log_history: list[dict]) -> dict[str, float]:
+    return {str(entry["step"]): entry["loss"] for entry in log_history if "loss" in entry}
+
+
+def test_your_own_train_func_survives_a_killed_worker_and_ends_like_training_without_ray(local_ray, tmp_path):
+    steps, save, kill_at = 12, 4, 6  # killed after step 6: the restart resumes step 4's checkpoint
+    overrides = {"max_steps": steps, "save_steps": save, "per_device_train_batch_size": 4}
+    run_distributed(_classifier_without_ray, 2, out=str(tmp_path / "plain"), overrides=overrides)
+    reference = torch.load(tmp_path / "plain" / "params.pt")
+
+    # A filesystem that is not pyarrow's LocalFileSystem: resume_checkpoint() downloads, as from S3.
+    remote = pyarrow.fs.SubTreeFileSystem(str(tmp_path / "remote"), pyarrow.fs.LocalFileSystem())
+    (tmp_path / "remote").mkdir()
+    config = {"training_args": overrides, "callbacks": [InjectWorkerFailure(kill_at, tmp_path / "marker")]}
+    result = ray.train.torch.TorchTrainer(
+        train_func,
+        train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(
+            name="classifier",
+            storage_path="runs",
+            storage_filesystem=remote,
+            failure_config=ray.train.FailureConfig(max_failures=1),
+        ),
+    ).fit()
+
+    assert result.error is None
+    assert (tmp_path / "marker" / FAILURE_MARKER).exists(), "the failure was not injected"
+    assert (result.metrics["step"], result.metrics["resumed_from_step"]) == (steps, save)
+    with result.checkpoint.as_directory() as folder:
+        trainer_ckpt = next(Path(folder).glob("checkpoint-*"))
+        assert trainer_ckpt.name == f"checkpoint-{steps}"
+        params = consolidate_checkpoint(trainer_ckpt / "zero_optimizer")
+        history = json.loads((trainer_ckpt / "trainer_state.json").read_text())["log_history"]
+    assert [h["world_size"] for h in history if "loss" in h] == [2] * steps
+    expected_losses = json.loads((tmp_path / "plain" / "losses.json").read_text())
+    assert trainer_losses_of(history) == pytest.approx(expected_losses, rel=1e-6)
+    assert set(params) == set(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(reference["classifier.weight"], tiny_bert(seed=0).classifier.weight), "did not train"
+
+
+def _recipe_trial(params: dict) -> None:
+    """A Tune trial that fits the recipe with the trial's own RunConfig: its retry policy and callback."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    run_config = ray.train.RunConfig(
+        failure_config=ray.train.FailureConfig(max_failures=1), callbacks=[TuneReportCallback()]
+    )
+    build_trainer(RayFinetuneConfig(**params), run_config).fit()
+
+
+def test_a_tune_trial_whose_worker_is_killed_is_retried_under_the_trials_run_config(local_ray, tmp_path):
+    from ray import tune
+
+    # The job's own policy allows no restart: only the trial's failure_config can retry it.
+    job = RayFinetuneConfig(num_workers=1, max_steps=4, save_steps=2, inject_failure_at_step=3, max_failures=0,
+                            storage_path=str(tmp_path / "runs"), name="trial_job")  # fmt: skip
+    tuner = tune.Tuner(
+        tune.with_resources(_recipe_trial, {"CPU": 0, "node:__internal_head__": 0.001}),
+        param_space=dataclasses.asdict(job),
+        run_config=tune.RunConfig(name="retry", storage_path=str(tmp_path / "tune")),
+    )
+    (trial,) = tuner.fit()
+    assert trial.error is None
+    assert (tmp_path / "runs" / "trial_job" / FAILURE_MARKER).exists(), "the failure was not injected"
+    assert count_attempts(job.storage_path, job.name) == 2
+    # Ray kept the checkpoints under the job's name and storage: the trial's RunConfig named neither.
+    assert step_of(ray.train.Result.from_path(str(tmp_path / "runs" / "trial_job")).checkpoint.path) == 4
+    # Tune got the recipe's reports through the trial's callback: the retry resumed step 2's checkpoint.
+    assert (trial.metrics["step"], trial.metrics["resumed_from_step"], trial.metrics["train_end"]) == (4, 2, True)

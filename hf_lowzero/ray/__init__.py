@@ -1,5 +1,41 @@
-"""The Ray layer: fault-tolerant multi-worker fine-tuning on Ray Train (needs ``ray[train]``)."""
+"""The Ray layer (needs ``ray[train]``): public pieces for any training function on Ray Train, and the
+causal-LM fine-tune built from them.
 
-from hf_lowzero.ray.launch import RayFinetuneConfig, build_trainer, run_finetune, train_loop_per_worker
+Your own model and data, on every worker of a ``ray.train.torch.TorchTrainer``::
 
-__all__ = ["RayFinetuneConfig", "build_trainer", "run_finetune", "train_loop_per_worker"]
+    from hf_lowzero.ray import local_output_dir, prepare_trainer, resume_checkpoint
+
+    def train_func(config):
+        args = LowZeroTrainingArguments(output_dir=local_output_dir(), zero_stage=2, save_steps=10, use_cpu=True)
+        trainer = prepare_trainer(LowZeroTrainer(model=build_model(), args=args, train_dataset=ds))
+        trainer.train(resume_from_checkpoint=resume_checkpoint())
+
+``accumulation_for_global_batch`` keeps the global batch across elastic resizes, ``ConsoleProgress``
+prints one line per step, ``InjectWorkerFailure`` kills a worker once (demos and tests). The recipe:
+``run_finetune(RayFinetuneConfig(...))`` (``ray_jobs/finetune.py``).
+"""
+
+from hf_lowzero.ray.config import RayFinetuneConfig
+from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
+from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
+from hf_lowzero.ray.faults import InjectWorkerFailure
+from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
+from hf_lowzero.ray.recipe import build_trainer, merge_run_config, run_finetune, train_loop_per_worker
+from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+
+__all__ = [
+    "ConsoleProgress",
+    "InjectWorkerFailure",
+    "RayFinetuneConfig",
+    "RecordWorldSize",
+    "ReportShardedCheckpoints",
+    "accumulation_for_global_batch",
+    "build_trainer",
+    "local_output_dir",
+    "merge_run_config",
+    "prepare_trainer",
+    "quiet_worker_console",
+    "resume_checkpoint",
+    "run_finetune",
+    "train_loop_per_worker",
+]

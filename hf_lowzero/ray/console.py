@@ -4,7 +4,7 @@ and a local Ray instance without Ray's known-harmless noise.
 Example::
 
     start_local_ray(num_cpus=3)                      # driver, no cluster (see [Note: console noise])
-    finetune_clm(model_args, args, printer=ConsoleProgress(attempt))   # worker: replaces PrinterCallback
+    trainer.add_callback(ConsoleProgress(attempt))   # worker: after trainer.remove_callback(PrinterCallback)
     # step 12/40 [######..............]  30% | loss 3.2140 | lr 2.10e-03 | grad_norm 1.234 | world 2
 
 # [Note: console noise]
@@ -117,9 +117,9 @@ def quiet_worker_console() -> None:
 
     Example::
 
-        def train_loop_per_worker(config):
+        def train_func(config):
             quiet_worker_console()
-            finetune_clm(model_args, args, printer=ConsoleProgress(attempt=1))
+            trainer = prepare_trainer(clm_trainer(model_args, args, printer=ConsoleProgress(attempt=1)))
     """
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("hf_lowzero").setLevel(logging.INFO)

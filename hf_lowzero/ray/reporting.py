@@ -1,6 +1,6 @@
 """Reporting Trainer checkpoints to Ray Train: every rank stages the files it owns and reports them.
 
-Example (inside a Ray Train worker; ``hf_lowzero.ray.launch`` does this)::
+Example (inside a Ray Train worker; ``hf_lowzero.ray.prepare_trainer`` adds it)::
 
     report = ReportShardedCheckpoints(upload="async")
     trainer = LowZeroTrainer(model=model, args=args, train_dataset=data, callbacks=[report])
@@ -11,7 +11,10 @@ Example (inside a Ray Train worker; ``hf_lowzero.ray.launch`` does this)::
 ray.train.report is a barrier and every rank uploads its own directory into the same checkpoint
 folder in storage; files of the same name from different ranks overwrite each other. So each rank
 reports only the files it owns (``layout.owner_rank``): rank r its own ZeRO shard and RNG state,
-rank 0 everything else (model, metadata, scheduler, trainer state); every file is uploaded once.
+rank 0 everything else (model, metadata, scheduler, trainer state, a plain Trainer's
+``optimizer.pt``); every file is uploaded once. A Trainer runs its ``on_save`` callbacks with no
+barrier after the save (NOTES.md), so the reporter holds one: no rank stages checkpoint-N before
+every rank finished writing it, whichever Trainer wrote it.
 Ray registers the checkpoint only when every rank's report arrived, so a registered checkpoint
 always holds every shard, also across nodes that share no filesystem. A restarted run restores
 through ray.train.get_checkpoint(), never by scanning storage.
@@ -60,6 +63,7 @@ class ReportShardedCheckpoints(TrainerCallback):
     def __init__(self, upload: str = "async") -> None:
         if upload not in UPLOAD_MODES:
             raise ValueError(f"upload={upload!r} is invalid; expected one of {sorted(UPLOAD_MODES)}")
+        self.upload = upload
         self.upload_mode = UPLOAD_MODES[upload]
         self._last_logs: dict[str, float] = {}
         self._attempt: dict[str, int] = {}
@@ -80,6 +84,7 @@ class ReportShardedCheckpoints(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         start = time.perf_counter()
+        dist.barrier()  # every rank's files of checkpoint-N are written (see the Note above)
         rank = dist.get_rank()
         source = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         staging = Path(tempfile.mkdtemp(prefix=f"hf_lowzero_report_r{rank}_"))

@@ -18,7 +18,9 @@ import ray.train
 
 from hf_lowzero.consolidate import export_pretrained
 from hf_lowzero.ray.attempts import count_attempts
-from hf_lowzero.ray.launch import RayFinetuneConfig, _trainer_checkpoint_in, run_finetune
+from hf_lowzero.ray.config import RayFinetuneConfig
+from hf_lowzero.ray.prepare import trainer_checkpoint_in
+from hf_lowzero.ray.recipe import run_finetune
 
 HEADER = "=== hf_lowzero fine-tune finished ==="
 
@@ -75,7 +77,7 @@ def run_with_summary(config: RayFinetuneConfig, export_dir: str | Path | None = 
     trainer_checkpoint, exported = None, None
     if result.checkpoint is not None:
         with result.checkpoint.as_directory() as restored:
-            source = _trainer_checkpoint_in(restored)
+            source = trainer_checkpoint_in(restored)
             trainer_checkpoint = str(Path(result.checkpoint.path) / Path(source).name)
             if export_dir is not None:
                 exported = export_pretrained(source, export_dir, tokenizer_from=config.model_name_or_path)

@@ -83,17 +83,19 @@ def build_model_and_tokens(model_args: ClmArguments, seed: int):
     return GPT2LMHeadModel(config), list(text.encode("utf-8"))
 
 
-def finetune_clm(
+def clm_trainer(
     model_args: ClmArguments,
     args: LowZeroTrainingArguments,
     callbacks=None,
-    resume=None,
     printer: TrainerCallback | None = None,
-):
-    """Fine-tune a causal LM with ``LowZeroTrainer``; save the final model to ``args.output_dir``.
+) -> LowZeroTrainer:
+    """The ``LowZeroTrainer`` of the causal-LM fine-tune, ready to ``train()``; ``printer`` replaces
+    the Trainer's own log printer (``PrinterCallback``/``ProgressCallback``).
 
-    Returns ``(trainer, metrics)``; ``resume`` is passed to ``train(resume_from_checkpoint=...)``;
-    ``printer`` replaces the Trainer's own log printer (``PrinterCallback``/``ProgressCallback``).
+    Example (the Ray job's workers, with ``hf_lowzero.ray``'s public pieces)::
+
+        trainer = prepare_trainer(clm_trainer(model_args, args, printer=ConsoleProgress()))
+        trainer.train(resume_from_checkpoint=resume_checkpoint())
     """
     model, token_ids = build_model_and_tokens(model_args, args.seed)
     if model.loss_type is None:  # e.g. GPT2LMHeadModel: no loss matches its class name; say which one it gets
@@ -103,6 +105,15 @@ def finetune_clm(
     if printer is not None:
         trainer.remove_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)
         trainer.add_callback(printer)
+    return trainer
+
+
+def finetune_clm(model_args: ClmArguments, args: LowZeroTrainingArguments, callbacks=None, resume=None):
+    """Fine-tune a causal LM with ``LowZeroTrainer``; save the final model to ``args.output_dir``.
+
+    Returns ``(trainer, metrics)``; ``resume`` is passed to ``train(resume_from_checkpoint=...)``.
+    """
+    trainer = clm_trainer(model_args, args, callbacks=callbacks)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     return trainer, result.metrics

@@ -1,5 +1,11 @@
 """A fake multi-node autoscaling Ray cluster on this machine: start it, watch its nodes, tear it down.
 
+    python ray_jobs/local_cluster.py -- python examples/ray_sweep.py --max-concurrent 2
+
+runs a command against a new fake cluster (``ray_jobs/local_autoscaling.yaml``; the command finds it
+through ``RAY_ADDRESS``), printing the worker nodes as the autoscaler adds and removes them, then
+ends every process of that cluster. Demo and test code, not part of the library.
+
 Example::
 
     with LocalAutoscalingCluster("ray_jobs/local_autoscaling.yaml") as cluster:
@@ -27,6 +33,7 @@ the process tree of the head: SIGTERM, then SIGKILL for what is still alive afte
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -34,6 +41,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -360,3 +368,26 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command after ``--`` against a new fake cluster; returns its exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    ours, command = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(Path(__file__).with_name("local_autoscaling.yaml")))
+    a = p.parse_args(ours)
+    if not command:
+        p.error("give the command to run after --, e.g. -- python examples/ray_sweep.py")
+
+    def show(seconds: float, nodes: list[str]) -> None:
+        print(f"[local cluster] +{seconds:.0f}s: {len(nodes)} worker node(s) alive", flush=True)
+
+    with LocalAutoscalingCluster(a.config) as cluster:
+        print(f"[local cluster] up: GCS {cluster.gcs_address}, dashboard {cluster.dashboard_url}", flush=True)
+        with WorkerNodeSampler(cluster, on_change=show):
+            return subprocess.run(command, env=cluster.client_env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

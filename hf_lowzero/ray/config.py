@@ -1,0 +1,162 @@
+"""The causal-LM job's configuration: one dataclass, every field a flag of ``ray_jobs/finetune.py``.
+
+It reaches the workers in one piece: ``training_arguments()`` builds the ``LowZeroTrainingArguments``
+(and through them the optimizer's ``ZeroConfig``) from the fields named like theirs, and
+``clm_arguments()`` the recipe's model and data arguments the same way.
+
+Example::
+
+    config = RayFinetuneConfig(num_workers=(1, 4), zero_stage=2, global_batch_size=16, max_steps=20)
+    args = config.training_arguments("out", world_size=2)   # gradient_accumulation_steps=2 at 2 workers
+    args.to_zero_config()                                    # ZeroConfig(stage=2, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers, worker_range
+from hf_lowzero.ray.reporting import UPLOAD_MODES
+from hf_lowzero.recipes.clm import ClmArguments
+from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+from hf_lowzero.zero.config import check_stage
+
+# Fields whose flag name differs from the TrainingArguments field they set.
+TRAINING_ARGUMENT_NAMES = {"offload_optimizer": "zero_offload_optimizer", "num_to_keep": "save_total_limit"}
+# What every worker of the job trains with, whatever the flags: a checkpoint every save_steps, a
+# loss line every step (ConsoleProgress), no integrations, no tqdm (one line per step instead).
+JOB_TRAINING_ARGUMENTS = {"save_strategy": "steps", "logging_steps": 1, "report_to": [], "disable_tqdm": True}
+
+
+def _opt(default, help: str, **kwargs):
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass(kw_only=True)
+class RayFinetuneConfig:
+    """Everything the Ray job needs; ``ray_jobs/finetune.py`` turns each field into a flag."""
+
+    num_workers: int | tuple[int, int] = _opt(
+        2, "Ray workers, one process per rank (one GPU each with --use-gpu); MIN-MAX (e.g. 2-8) for elastic training"
+    )
+    resize_check_interval_s: float = _opt(
+        60.0, "with MIN-MAX workers: seconds between checks whether the group can grow"
+    )
+    use_gpu: bool = _opt(False, "place one worker per GPU and use NCCL (gloo on CPU otherwise)")
+    resources_per_worker: str | None = _opt(
+        None,
+        'Ray resources per worker as JSON, e.g. \'{"CPU": 8, "GPU": 1}\' (default: 1 GPU, or 1 CPU without --use-gpu)',
+    )
+    zero_stage: int = _opt(2, "0 = plain Trainer/DDP, 1 = shard optimizer states, 2 = also gradients")
+    max_steps: int = _opt(40, "optimizer steps in total")
+    save_steps: int = _opt(10, "checkpoint (and report to Ray) every N steps")
+    checkpoint_upload: str = _opt("async", "async: upload checkpoints in the background; sync: training waits for it")
+    learning_rate: float = _opt(3e-3, "peak learning rate")
+    per_device_train_batch_size: int = _opt(4, "sequences per worker per micro-batch")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    global_batch_size: int | None = _opt(
+        None, "sequences per optimizer step on all workers: sets gradient_accumulation_steps per attempt to keep it"
+    )
+    bf16: bool = _opt(False, "bf16 params with fp32 master rows")
+    offload_optimizer: bool = _opt(False, "fp32 master rows, optimizer state and gradient rows in host memory")
+    zero_config: str | None = _opt(None, "other ZeroConfig fields as JSON")
+    model_name_or_path: str | None = _opt(None, "local save_pretrained directory (default: a tiny GPT-2)")
+    train_file: str | None = _opt(None, "plain-text corpus (default: the one shipped with hf_lowzero)")
+    storage_path: str = field(
+        default_factory=lambda: str(Path.home() / "ray_results"),
+        metadata={"help": "where Ray keeps checkpoints: local, shared, or s3://... (default: ~/ray_results)"},
+    )
+    name: str = _opt("hf_lowzero_finetune", "run name; a rerun with the same name and storage resumes it")
+    max_failures: int = _opt(3, "worker-group restarts before giving up")
+    inject_failure_at_step: int | None = _opt(None, "kill one worker process once, at this step (demos, tests)")
+    num_to_keep: int = _opt(2, "checkpoints Ray keeps")
+    seed: int = _opt(0, "seed for model init and data order")
+
+    def __post_init__(self) -> None:
+        self.num_workers = parse_num_workers(self.num_workers)
+        if self.resize_check_interval_s < 0:
+            raise ValueError(f"resize_check_interval_s={self.resize_check_interval_s} is invalid; expected >= 0")
+        self.resources_per_worker_dict()  # raises on bad JSON
+        if self.checkpoint_upload not in UPLOAD_MODES:
+            raise ValueError(
+                f"checkpoint_upload={self.checkpoint_upload!r} is invalid; expected one of {sorted(UPLOAD_MODES)}"
+            )
+        if self.global_batch_size is not None:
+            if self.gradient_accumulation_steps != 1:
+                raise ValueError(
+                    "global_batch_size and gradient_accumulation_steps both set; give one: global_batch_size "
+                    "derives gradient_accumulation_steps for every worker count"
+                )
+            for world in worker_range(self.num_workers):
+                self.gradient_accumulation_for(world)  # raises if the global batch does not divide
+        check_stage(self.zero_stage, "zero_stage", allow_off=True)
+        if self.max_steps < 1 or self.save_steps < 1:
+            raise ValueError("max_steps and save_steps must be >= 1")
+        if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step <= self.max_steps:
+            raise ValueError(f"inject_failure_at_step must be in [1, max_steps={self.max_steps}]")
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the run may have (``num_workers``, or the MAX of MIN-MAX)."""
+        return worker_range(self.num_workers)[-1]
+
+    def gradient_accumulation_for(self, world_size: int) -> int:
+        """Micro-batches per optimizer step at ``world_size`` (see [Note: global batch across resizes])."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        return accumulation_for_global_batch(self.global_batch_size, self.per_device_train_batch_size, world_size)
+
+    def resources_per_worker_dict(self) -> dict[str, float] | None:
+        """``resources_per_worker`` parsed (None: Ray's default, 1 GPU or 1 CPU)."""
+        if self.resources_per_worker is None:
+            return None
+        try:
+            resources = json.loads(self.resources_per_worker)
+        except json.JSONDecodeError:
+            resources = None
+        if not isinstance(resources, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in resources.items()
+        ):
+            raise ValueError(
+                f"resources_per_worker={self.resources_per_worker!r} is invalid; expected a JSON object of "
+                'resource names to non-negative amounts, e.g. \'{"CPU": 8, "GPU": 1}\''
+            )
+        return resources
+
+    def training_arguments(self, output_dir: str, world_size: int) -> LowZeroTrainingArguments:
+        """The Trainer arguments every worker trains with at ``world_size``: each field of this config
+        named like a ``LowZeroTrainingArguments`` field (or renamed in ``TRAINING_ARGUMENT_NAMES``)
+        sets it, plus ``JOB_TRAINING_ARGUMENTS``, the accumulation for ``world_size`` and ``use_cpu``.
+
+        Example (the same training without Ray, e.g. as a reference; in every rank of a process group)::
+
+            config = RayFinetuneConfig(max_steps=3)
+            trainer, metrics = finetune_clm(config.clm_arguments(), config.training_arguments("out", 2))
+        """
+        given = _fields_named_like(self, LowZeroTrainingArguments, TRAINING_ARGUMENT_NAMES)
+        given |= JOB_TRAINING_ARGUMENTS
+        given["gradient_accumulation_steps"] = self.gradient_accumulation_for(world_size)
+        given["use_cpu"] = not self.use_gpu
+        return LowZeroTrainingArguments(output_dir=output_dir, **given)
+
+    def clm_arguments(self) -> ClmArguments:
+        """The recipe's model and data arguments: the fields named like ``ClmArguments`` fields that
+        are set (``train_file=None`` keeps the shipped corpus).
+
+        Example::
+
+            RayFinetuneConfig(model_name_or_path="models/gpt2").clm_arguments().model_name_or_path
+        """
+        given = _fields_named_like(self, ClmArguments)
+        return ClmArguments(**{k: v for k, v in given.items() if v is not None})
+
+
+def _fields_named_like(config: RayFinetuneConfig, target: type, renamed: dict[str, str] | None = None) -> dict:
+    """``config``'s values keyed by the ``target`` dataclass's field names they set."""
+    renamed = renamed or {}
+    accepted = {f.name for f in dataclasses.fields(target) if f.init}
+    values = {renamed.get(f.name, f.name): getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {name: value for name, value in values.items() if name in accepted}

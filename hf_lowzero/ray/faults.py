@@ -1,0 +1,57 @@
+"""Fault injection for demos and fault-tolerance tests: kill one worker process once, at a chosen step.
+
+Example (inside a Ray Train training function, after ``prepare_trainer``)::
+
+    trainer = prepare_trainer(LowZeroTrainer(model=model, args=args, train_dataset=ds))
+    trainer.add_callback(InjectWorkerFailure(step=15, run_dir=Path("/mnt/shared/runs/demo")))
+    trainer.train(resume_from_checkpoint=resume_checkpoint())   # attempt 1 dies at step 15, attempt 2 resumes
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray.train
+import torch.distributed as dist
+from ray.train import CheckpointConsistencyMode
+from transformers import TrainerCallback
+
+FAILURE_MARKER = ".hf_lowzero_failure_injected"
+
+logger = logging.getLogger(__name__)
+
+
+class InjectWorkerFailure(TrainerCallback):
+    """Kills the last rank's process once, at ``step``, on the first attempt only (a marker file in
+    the run's storage folder remembers that it happened), after Ray registered every earlier
+    checkpoint, so the restart resumes the last one before ``step``. At a checkpoint step it dies
+    right after ``ray.train.report`` returned, with its upload still in flight ([Note: asynchronous
+    upload]); at any other step, at the end of the step. Add it after ``prepare_trainer``, so that its
+    ``on_save`` runs right after the report's."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        self.step = step
+        self.marker = run_dir / FAILURE_MARKER
+        self._kill_after_report = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or self.marker.exists():
+            return
+        dist.barrier()  # every rank checked the marker before it appears
+        if dist.get_rank() == dist.get_world_size() - 1:
+            # Reports reach the controller when it polls; one queued on a dead worker is lost.
+            ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"worker of rank {dist.get_rank()} killed at step {state.global_step}\n")
+            logger.warning("[hf_lowzero] injecting a failure: killing rank %d at step %d", dist.get_rank(), self.step)
+            if not control.should_save:  # set by DefaultFlowCallback, which runs first
+                os._exit(1)
+            self._kill_after_report = True
+
+    def on_save(self, args, state, control, **kwargs):
+        # Runs right after ReportShardedCheckpoints.on_save and nothing in between blocks, so the
+        # upload that report() started in the background is still in flight: its report never arrives.
+        if self._kill_after_report:
+            os._exit(1)

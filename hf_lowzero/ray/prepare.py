@@ -1,0 +1,146 @@
+"""Any Hugging Face ``Trainer`` on Ray Train: report its sharded checkpoints from every rank, resume them.
+
+Inside the training function that ``ray.train.torch.TorchTrainer`` runs on every worker::
+
+    def train_func(config):
+        args = LowZeroTrainingArguments(output_dir=local_output_dir(), zero_stage=2, save_steps=10, use_cpu=True)
+        trainer = prepare_trainer(LowZeroTrainer(model=build_model(), args=args, train_dataset=ds))
+        trainer.train(resume_from_checkpoint=resume_checkpoint())
+
+    TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(storage_path="/mnt/shared/runs", failure_config=FailureConfig(3))).fit()
+
+Every checkpoint the Trainer saves reaches Ray's storage with every rank's files ([Note: one
+checkpoint from every rank] in ``reporting.py``); when Ray restarts the worker group, every rank
+resumes the latest registered checkpoint, resharded if the worker count changed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow.fs
+import ray.train
+import torch.distributed as dist
+from transformers import Trainer
+
+from hf_lowzero.ray.elastic import RecordWorldSize
+from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+
+
+def prepare_trainer(trainer: Trainer, upload: str = "async") -> Trainer:
+    """Make ``trainer`` report every checkpoint it saves to Ray Train, from every rank; returns it.
+
+    Each rank reports the files of ``checkpoint-N`` it owns (its ZeRO shard and RNG state; rank 0
+    every other file), so a checkpoint Ray registers holds every shard, also across nodes that share
+    no filesystem. ``upload="async"`` uploads in the background, ``"sync"`` blocks training until the
+    upload finished. Also adds the world size to every entry of the loss log (``RecordWorldSize``).
+    Works with any ``transformers.Trainer`` (``LowZeroTrainer``, or a plain ``Trainer`` with DDP);
+    calling it again on the same trainer changes nothing.
+
+    Raises ``RuntimeError`` outside a Ray Train worker (call it inside the training function) or
+    when the trainer's world does not match the worker group's, and ``ValueError`` when the trainer
+    saves no checkpoints (``save_strategy="no"``: nothing could be resumed after a failure).
+
+    Example::
+
+        trainer = prepare_trainer(LowZeroTrainer(model=model, args=args, train_dataset=ds))
+        trainer.train(resume_from_checkpoint=resume_checkpoint())
+    """
+    world_size = _train_worker_world_size("prepare_trainer")
+    if trainer.args.world_size != world_size:
+        raise RuntimeError(
+            f"the trainer's args.world_size is {trainer.args.world_size} but the Ray Train worker group has "
+            f"{world_size} workers; on CPU pass use_cpu=True to TrainingArguments (accelerate otherwise runs "
+            "every worker as a single process)"
+        )
+    if trainer.args.save_strategy == "no":
+        raise ValueError(
+            "save_strategy='no': the trainer saves no checkpoints, so there is nothing to report to Ray and a "
+            "restarted worker group would train from the start; set save_strategy='steps' and save_steps"
+        )
+    reporters = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ReportShardedCheckpoints)]
+    if reporters:
+        if reporters[0].upload != upload:
+            raise ValueError(f"trainer is already prepared with upload={reporters[0].upload!r}, not {upload!r}")
+        return trainer
+    trainer.add_callback(ReportShardedCheckpoints(upload))
+    trainer.add_callback(RecordWorldSize())
+    return trainer
+
+
+def resume_checkpoint() -> str | None:
+    """The local ``checkpoint-N`` folder of the checkpoint Ray Train hands this attempt
+    (``ray.train.get_checkpoint()``), or None on a fresh start: pass it to
+    ``trainer.train(resume_from_checkpoint=...)``.
+
+    With local or shared storage it is the folder in storage itself; with remote storage
+    (``s3://...``, a custom ``storage_filesystem``) every rank downloads the checkpoint to a
+    temporary folder of its node first. The folder stays valid for the whole attempt.
+
+    Example::
+
+        trainer.train(resume_from_checkpoint=resume_checkpoint())
+    """
+    _train_worker_world_size("resume_checkpoint")
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+        folder = checkpoint.path
+    else:
+        folder = checkpoint.to_directory()
+    return trainer_checkpoint_in(folder)
+
+
+def local_output_dir(prefix: str = "hf_lowzero_") -> str:
+    """A new, empty Trainer ``output_dir`` for this attempt of the training function: the same path
+    on every rank (the first rank picks it), created on every node. Ranks on one node then write one
+    ``checkpoint-N`` together, and no attempt or concurrent run finds another's checkpoints there.
+    Everything worth keeping is reported to Ray; remove the folder when training is done.
+
+    Example::
+
+        args = LowZeroTrainingArguments(output_dir=local_output_dir(), zero_stage=2, use_cpu=True)
+    """
+    _train_worker_world_size("local_output_dir")
+    path = [tempfile.mkdtemp(prefix=prefix)] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(path, src=0)
+    os.makedirs(path[0], exist_ok=True)
+    return path[0]
+
+
+def trainer_checkpoint_in(folder: str | os.PathLike) -> str:
+    """The one Trainer ``checkpoint-N`` folder inside a Ray checkpoint folder.
+
+    Example::
+
+        with result.checkpoint.as_directory() as folder:
+            export_pretrained(trainer_checkpoint_in(folder), "out/final")
+    """
+    found = sorted(Path(folder).glob("checkpoint-*"))
+    if len(found) != 1:
+        raise RuntimeError(
+            f"expected one Trainer checkpoint-N folder in the Ray checkpoint {folder}, found "
+            f"{[f.name for f in found]}; report checkpoints with prepare_trainer, one Trainer checkpoint per report"
+        )
+    return str(found[0])
+
+
+def _train_worker_world_size(caller: str) -> int:
+    """The worker group's size; raises unless this is a Ray Train worker with its process group."""
+    try:
+        world_size = ray.train.get_context().get_world_size()
+    except (RuntimeError, DeprecationWarning) as e:
+        raise RuntimeError(
+            f"{caller}() must be called inside the training function that ray.train.torch.TorchTrainer runs on "
+            f"each worker, not on the driver or in a Tune trial's function ({e})"
+        ) from e
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"{caller}() needs the process group of the Ray Train worker group ({world_size} workers); "
+            "run the training function with ray.train.torch.TorchTrainer, which starts it"
+        )
+    return world_size

@@ -1,0 +1,133 @@
+"""The causal-LM fine-tune on Ray Train, built from the public pieces any training function can use
+(``prepare_trainer``, ``resume_checkpoint``, ``local_output_dir``, ``ConsoleProgress``).
+
+Example::
+
+    ray.init(address="local", num_cpus=3)
+    result = run_finetune(RayFinetuneConfig(num_workers=2, zero_stage=2, max_steps=20, save_steps=5,
+                                            storage_path="/tmp/ray_results"))
+    print(result.metrics, result.checkpoint.path)
+
+Elastic (``num_workers=(1, 4)``, or ``--num-workers 1-4``): Ray restarts the group at a new size
+when capacity changes, and every attempt resumes the latest checkpoint, resharded (``elastic.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch.distributed as dist
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from transformers import TrainerCallback
+
+from hf_lowzero.ray.attempts import record_attempt
+from hf_lowzero.ray.config import RayFinetuneConfig
+from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
+from hf_lowzero.ray.faults import InjectWorkerFailure
+from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
+from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+from hf_lowzero.recipes.clm import clm_trainer
+
+# RunConfig.__post_init__ names a run it was given no name for "ray_train_run-<date>".
+_UNNAMED_RUN_PREFIX = "ray_train_run-"
+
+
+def run_finetune(config: RayFinetuneConfig, **build_kwargs) -> ray.train.Result:
+    """Fit the fine-tune on the connected Ray cluster; returns Ray's ``Result`` (metrics, checkpoint).
+
+    Example::
+
+        result = run_finetune(RayFinetuneConfig(max_steps=20, storage_path="/tmp/ray_results"))
+    """
+    return build_trainer(config, **build_kwargs).fit()
+
+
+def build_trainer(
+    config: RayFinetuneConfig, run_config: RunConfig | None = None, trainer_callbacks: Sequence[TrainerCallback] = ()
+) -> TorchTrainer:
+    """The ``TorchTrainer`` for ``config``. A caller's ``run_config`` is merged with the job's (see
+    ``merge_run_config``): e.g. a Tune trial passes its ``TuneReportCallback`` and retry policy and
+    keeps the job's name, storage and checkpoint policy. ``trainer_callbacks`` (pickled to every
+    worker) join the Trainer's own, after the reporting one.
+
+    Example::
+
+        run_config = RunConfig(callbacks=[TuneReportCallback()], failure_config=FailureConfig(max_failures=1))
+        result = build_trainer(RayFinetuneConfig(num_workers=(1, 4)), run_config, [MyCallback()]).fit()
+    """
+    job_run_config = RunConfig(
+        name=config.name,
+        storage_path=config.storage_path,
+        failure_config=FailureConfig(max_failures=config.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=config.num_to_keep),
+        logging_config=LoggingConfig(log_level="WARNING"),  # [Note: console noise] in console.py
+    )
+    return TorchTrainer(
+        train_loop_per_worker=functools.partial(train_loop_per_worker, trainer_callbacks=tuple(trainer_callbacks)),
+        train_loop_config=dataclasses.asdict(config),
+        scaling_config=ScalingConfig(
+            num_workers=config.num_workers,
+            use_gpu=config.use_gpu,
+            resources_per_worker=config.resources_per_worker_dict(),
+            elastic_resize_monitor_interval_s=config.resize_check_interval_s,
+        ),
+        run_config=merge_run_config(run_config, job_run_config),
+    )
+
+
+def merge_run_config(caller: RunConfig | None, defaults: RunConfig) -> RunConfig:
+    """``defaults`` with every field ``caller`` set: a field the caller left out (``RunConfig`` fills
+    in ``FailureConfig()``, ``~/ray_results``, ``ray_train_run-<date>``, ...) keeps the default's value.
+
+    Example::
+
+        >>> merged = merge_run_config(RunConfig(failure_config=FailureConfig(max_failures=1)),
+        ...                           RunConfig(name="job", failure_config=FailureConfig(max_failures=3)))
+        >>> merged.name, merged.failure_config.max_failures
+        ('job', 1)
+    """
+    if caller is None:
+        return defaults
+    unset = RunConfig()
+    given = {}
+    for f in dataclasses.fields(RunConfig):
+        value = getattr(caller, f.name)
+        left_out = value.startswith(_UNNAMED_RUN_PREFIX) if f.name == "name" else value == getattr(unset, f.name)
+        if not left_out:
+            given[f.name] = value
+    return dataclasses.replace(defaults, **given)
+
+
+def train_loop_per_worker(
+    config_dict: dict[str, Any], trainer_callbacks: Sequence[TrainerCallback] = ()
+) -> dict[str, float]:
+    """Runs on every Ray worker (process group already initialized by Ray Train), once per attempt.
+    Returns the seconds training waited on checkpoint reports and their count (rank 0's become
+    ``Result.return_value``)."""
+    config = RayFinetuneConfig(**config_dict)
+    quiet_worker_console()
+    output_dir = local_output_dir(prefix=f"hf_lowzero_{config.name}_")
+    world_size = dist.get_world_size()
+    attempt = record_attempt(config.storage_path, config.name, world_size) if dist.get_rank() == 0 else None
+    args = config.training_arguments(output_dir, world_size)
+    trainer = clm_trainer(config.clm_arguments(), args, printer=ConsoleProgress(attempt))
+    prepare_trainer(trainer, upload=config.checkpoint_upload)
+    if config.inject_failure_at_step:
+        run_dir = Path(config.storage_path) / config.name
+        trainer.add_callback(InjectWorkerFailure(config.inject_failure_at_step, run_dir))
+    for callback in trainer_callbacks:
+        trainer.add_callback(callback)
+    try:
+        trainer.train(resume_from_checkpoint=resume_checkpoint())
+        dist.barrier()  # ranks on one node share output_dir: none removes it while another works in it
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)  # everything worth keeping was reported
+    (report,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ReportShardedCheckpoints)]
+    return {"checkpoint_wait_s": report.checkpoint_wait_s, "checkpoints_reported": report.checkpoints_reported}
