@@ -55,6 +55,8 @@ def make_inner(kind: str, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, betas=(0.9, 0.95))
     if kind == "sgd":
         return torch.optim.SGD(groups, momentum=0.9)
+    if kind == "adagrad":  # creates its state in the constructor
+        return torch.optim.Adagrad(groups, initial_accumulator_value=0.1)
     raise ValueError(kind)
 
 

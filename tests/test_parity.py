@@ -18,6 +18,7 @@ CASES = [
     dict(inner="adamw", overlap=True, bucket_mb=0.0005, clip=0.05, scheduler=True, direct_backward=False),
     dict(inner="sgd", overlap=False, bucket_mb=25.0, clip=0.0, scheduler=False, direct_backward=True),
     dict(inner="adamw", overlap=False, bucket_mb=0.002, clip=1e3, scheduler=False, direct_backward=True),
+    dict(inner="adagrad", overlap=True, bucket_mb=0.002, clip=0.0, scheduler=False, direct_backward=False),
 ]
 
 
@@ -70,9 +71,13 @@ def run_case(rank: int, stage: int, case: dict, steps: int = 4) -> None:
         assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
         assert opt.param_groups[1]["lr"] == ref_opt.param_groups[1]["lr"]
 
-    # Used on no rank, ever: exactly unchanged and no optimizer state; frozen: never touched.
+    # Used on no rank, ever: exactly unchanged and no optimizer state of its own (Adagrad's is the
+    # constructor's, untouched: step 0, as in the reference); frozen: never touched.
     assert torch.equal(model.never.weight, never[0]) and torch.equal(model.never.bias, never[1]), where
-    assert model.never.weight not in opt.state and model.never.bias not in opt.state, where
+    for p, ref_p in ((model.never.weight, ref.module.never.weight), (model.never.bias, ref.module.never.bias)):
+        assert (p in opt.state) == (ref_p in ref_opt.state), where
+        if p in opt.state:
+            assert float(opt.state[p]["step"]) == 0, where
     assert torch.equal(model.frozen.weight, frozen), where
     assert all(s.name.split(".")[0] != "frozen" for s in opt.slots)
 

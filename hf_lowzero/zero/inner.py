@@ -58,11 +58,23 @@ def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
     check_optimizer_class(cls, allow_untested)
-    if any(len(s) for s in optimizer.state.values()):
+    if has_taken_steps(optimizer):
         raise ValueError(
             f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "
             "and load state through LowLevelZeroOptimizer's checkpoint API instead."
         )
+
+
+def has_taken_steps(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds state from steps it took. State its constructor creates (Adagrad's
+    ``sum`` and ``step`` = 0) is not: there every entry carries a ``step`` of 0.
+
+    Example::
+
+        >>> has_taken_steps(torch.optim.Adagrad([torch.nn.Parameter(torch.ones(2))]))
+        False
+    """
+    return any(entry and float(entry.get("step", 1)) > 0 for entry in optimizer.state.values())
 
 
 def prefer_fused_on_cpu(optimizer: torch.optim.Optimizer) -> None:

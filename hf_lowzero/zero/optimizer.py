@@ -116,7 +116,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._groups = ParamGroups(optimizer)
         self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
         for group in optimizer.param_groups:
-            group["params"] = [self.master.rows[slot_of[id(p)].index] for p in group["params"]]
+            group["params"] = [self._to_master_row(optimizer, slot_of[id(p)]) for p in group["params"]]
 
         self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
         self.skipped_steps = 0
@@ -140,6 +140,21 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
 
     # ----------------------------------------------------------------- torch.optim.Optimizer API
+
+    def _to_master_row(self, optimizer: torch.optim.Optimizer, slot) -> torch.Tensor:
+        """The master row that replaces ``slot``'s param in the inner optimizer. State the inner
+        optimizer's constructor created for the param (Adagrad's ``sum``) moves to the row: this
+        rank's slice of each element-wise tensor, as the row slices the param."""
+        row = self.master.rows[slot.index]
+        created = optimizer.state.pop(slot.param, None)
+        if created:
+            optimizer.state[row] = {key: self._row_state(value, slot) for key, value in created.items()}
+        return row
+
+    def _row_state(self, value, slot):
+        if isinstance(value, torch.Tensor) and value.shape == slot.param.shape:
+            return slot.shard.row_of(value, self.rank).to(self.master.flat)
+        return value.clone() if isinstance(value, torch.Tensor) else value
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 def padded_numel(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size``."""
@@ -47,6 +49,11 @@ class ParamShard:
         start = min(rank * self.shard_numel, self.numel)
         end = min(start + self.shard_numel, self.numel)
         return start, end
+
+    def row_of(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s row of a tensor shaped like the parameter: 1D, ``shard_numel`` long, zero padding."""
+        flat = torch.nn.functional.pad(tensor.detach().reshape(-1), (0, self.padding))
+        return flat.view(self.world_size, self.shard_numel)[rank].clone()
 
     def owned_numel(self, rank: int) -> int:
         start, end = self.owned_range(rank)
