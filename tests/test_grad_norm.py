@@ -23,20 +23,21 @@ def true_norm(ref: torch.nn.Module) -> float:
 
 
 def norm_body(rank, world_size):
-    for stage in (1, 2):
+    for stage, offload in ((1, False), (2, False), (2, True)):
         model = long_rows_model()
         ref = ddp_reference(model)
-        opt = LowLevelZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, clip_grad_norm=1.0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = LowLevelZeroOptimizer(model, inner, stage=stage, clip_grad_norm=1.0, offload_optimizer=offload)
         g = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, VOCAB, (64,), generator=g)
         for m, backward in ((model, opt.backward), (ref, lambda loss: loss.backward())):
             logits = m(tokens)
             backward(torch.nn.functional.cross_entropy(logits, tokens.roll(1)) * 1e3)  # norms far from 1
-        expected = true_norm(ref)
-        assert opt.grad_norm() == pytest.approx(expected, rel=1e-6, abs=0), f"stage {stage}, W={world_size}"
+        expected, where = true_norm(ref), f"stage {stage}, offload {offload}, W={world_size}"
+        assert opt.grad_norm() == pytest.approx(expected, rel=1e-6, abs=0), where
         dist.barrier()
         assert opt.step() is True
-        assert opt.last_grad_norm == pytest.approx(expected, rel=1e-6, abs=0)
+        assert opt.last_grad_norm == pytest.approx(expected, rel=1e-6, abs=0), where
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
