@@ -24,6 +24,8 @@ from hf_lowzero import (
     load_checkpoint,
     save_checkpoint,
 )
+from hf_lowzero.checkpoint.layout import CHECKSUM_CHUNK_NUMEL, EXTRAS_FILE, checksum_error, chunk_checksums, chunk_span
+from hf_lowzero.consolidate import main as consolidate_cli
 from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, assert_params_equal, ddp_reference, make_inner
 
@@ -140,6 +142,17 @@ def assert_unchanged(before, model, opt):
         assert all(torch.equal(v[key], now["state"][k][key]) for key in v)
 
 
+def flip_data_byte(file, key):
+    """Invert one byte in the middle of tensor ``key``'s data (not the header) of a safetensors file."""
+    with open(file, "r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        begin, end = json.loads(f.read(header_len))[key]["data_offsets"]
+        f.seek(8 + header_len + (begin + end) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
 def corrupt(src, dst, how):
     shutil.copytree(src, dst)
     rank1 = os.path.join(dst, "zero_shard_rank00001_of_00002.safetensors")
@@ -151,11 +164,13 @@ def corrupt(src, dst, how):
     elif how == "garbage_header":
         with open(rank1, "r+b") as f:
             f.write(b"\xff" * 16)
-    elif how == "unknown_version":
+    elif how == "flipped_bytes":
+        flip_data_byte(rank1, "state/embed.weight/exp_avg")
+    elif how in ("unknown_version", "old_version"):
         meta_path = os.path.join(dst, "zero_meta.json")
         with open(meta_path) as f:
             meta = json.load(f)
-        meta["format_version"] = 99
+        meta["format_version"] = 99 if how == "unknown_version" else 1
         with open(meta_path, "w") as f:
             json.dump(meta, f)
     elif how == "no_metadata":
@@ -166,7 +181,9 @@ BAD = {
     "missing_rank_file": "zero_shard_rank00001_of_00002.safetensors: file missing",
     "truncated": "zero_shard_rank00001_of_00002.safetensors: truncated or corrupted",
     "garbage_header": "zero_shard_rank00001_of_00002.safetensors: truncated or corrupted",
+    "flipped_bytes": "zero_shard_rank00001_of_00002.safetensors: tensor 'state/embed.weight/exp_avg' is corrupted",
     "unknown_version": "zero_meta.json: unknown format version 99",
+    "old_version": "zero_meta.json: format version 1 was written by an older hf_lowzero, without per-tensor checksums",
     "no_metadata": "zero_meta.json: missing; not a complete hf_lowzero checkpoint",
 }
 
@@ -194,8 +211,53 @@ def bad_checkpoint_body(rank, world_size, tmp):
     load_checkpoint(opt, good)  # the good one still loads after all that
 
 
+def corrupted_elsewhere_body(rank, world_size, tmp):
+    """The checkpoint with flipped bytes in rank 1's file, saved at 2 ranks, loaded at 3: ranks 1
+    and 2 read the corrupted slice, rank 0 does not; all raise and nothing changes."""
+    model, opt = build(2, torch.float32)
+    train(model, opt, rank, world_size, range(1), torch.float32)
+    before = snapshot(model, opt)
+    with pytest.raises(CheckpointError, match=BAD["flipped_bytes"]):
+        load_checkpoint(opt, f"{tmp}/flipped_bytes")
+    assert_unchanged(before, model, opt)
+    load_checkpoint(opt, f"{tmp}/good")  # every slice of the intact one verifies at 3 ranks
+
+
 def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(tmp_path):
     run_distributed(bad_checkpoint_body, 2, tmp=str(tmp_path))
+    run_distributed(corrupted_elsewhere_body, 3, tmp=str(tmp_path))
+    # Consolidation verifies what it reads too (master weights and extras), also through the CLI.
+    for file, key in [
+        ("zero_shard_rank00001_of_00002.safetensors", "master/embed.weight"),
+        (EXTRAS_FILE, "extra/frozen.weight"),
+    ]:
+        shutil.copytree(tmp_path / "good", tmp_path / key)
+        flip_data_byte(tmp_path / key / file, key)
+        with pytest.raises(CheckpointError, match=f"{file}: tensor '{key}' is corrupted"):
+            consolidate_checkpoint(tmp_path / key)
+        with pytest.raises(CheckpointError, match=f"{file}: tensor '{key}' is corrupted"):
+            consolidate_cli([str(tmp_path / key), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checksums_verify_only_the_chunks_a_slice_reads(dtype):
+    numel = 2 * CHECKSUM_CHUNK_NUMEL + 5  # two whole chunks and a short one
+    row = torch.randn(numel).to(dtype)
+    stored = " ".join(f"{c:08x}" for c in chunk_checksums(row))
+    assert len(stored.split()) == 3
+    assert chunk_span(10, 20, numel) == (0, CHECKSUM_CHUNK_NUMEL)
+    assert chunk_span(CHECKSUM_CHUNK_NUMEL - 1, CHECKSUM_CHUNK_NUMEL + 1, numel) == (0, 2 * CHECKSUM_CHUNK_NUMEL)
+    assert chunk_span(numel - 1, numel, numel) == (2 * CHECKSUM_CHUNK_NUMEL, numel)
+    damaged = row.clone()
+    damaged.view(torch.uint8)[-3] ^= 1  # one bit in the short last chunk
+    assert checksum_error(stored, damaged) == (
+        f"is corrupted: elements [{2 * CHECKSUM_CHUNK_NUMEL}, {numel}) do not match their checksum "
+        "(the file changed after saving)"
+    )
+    assert checksum_error(stored, damaged[: 2 * CHECKSUM_CHUNK_NUMEL]) is None  # a slice not reading it
+    assert checksum_error(stored, damaged[CHECKSUM_CHUNK_NUMEL:], CHECKSUM_CHUNK_NUMEL) is not None
+    assert checksum_error(stored, row[CHECKSUM_CHUNK_NUMEL:], CHECKSUM_CHUNK_NUMEL) is None
+    assert checksum_error(None, row) == "has no checksum in the file's metadata"
 
 
 def crash_during_save_body(rank, world_size, tmp):

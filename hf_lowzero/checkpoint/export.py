@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_lowzero.checkpoint.layout import EXTRAS_FILE
+from hf_lowzero.checkpoint.layout import EXTRAS_FILE, extra_key, master_key
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
 from hf_lowzero.checkpoint.shards import CheckpointError, ShardView
 from hf_lowzero.zero import comm
@@ -49,10 +49,10 @@ def consolidate_checkpoint(
     full = OrderedDict()
     for name, saved in meta["params"].items():
         flat = torch.empty(saved["numel"], dtype=torch.float32)
-        read_row(reader, f"master/{name}", saved["numel"], ParamShard(saved["numel"], 1), 0, flat)
+        read_row(reader, master_key(name), saved["numel"], ParamShard(saved["numel"], 1), 0, flat)
         full[name] = flat.view(saved["shape"])
     for name, info in meta.get("extras", {}).items():
-        full[name] = reader.read(EXTRAS_FILE, f"extra/{name}", info["shape"])
+        full[name] = reader.read(EXTRAS_FILE, extra_key(name), info["shape"])
     external = meta.get("external", {})
     if external:
         full.update(_from_base(path, external, base))

@@ -1,4 +1,5 @@
-"""Where every file of a checkpoint lives and which rank owns it: the one place for these rules.
+"""The checkpoint format, written and checked here only: file names and which rank owns each,
+tensor keys, the metadata's format tag and version, and the per-chunk checksums of every tensor.
 
 A sharded optimizer checkpoint directory (``hf_lowzero.save_checkpoint``)::
 
@@ -7,6 +8,7 @@ A sharded optimizer checkpoint directory (``hf_lowzero.save_checkpoint``)::
     zero_shard_rank00000_of_00002.safetensors    rank 0's rows of master weights and state
     zero_shard_rank00001_of_00002.safetensors    rank 1's rows
 
+Every safetensors file holds, in its own metadata, the checksums of its tensors ([Note: checksums]).
 Inside a Trainer ``checkpoint-N/`` folder that directory is ``zero_optimizer/``, next to the
 Trainer's own files (model weights, ``trainer_state.json``, ``scheduler.pt``, ``rng_state_<rank>.pth``).
 
@@ -18,18 +20,35 @@ Example::
     1
     >>> owner_rank("checkpoint-10/trainer_state.json")
     0
+    >>> chunk_span(300_000, 300_010, 600_000)   # elements [262144, 524288) cover the slice
+    (262144, 524288)
+
+# [Note: checksums]
+# Each tensor carries a CRC-32 per chunk of CHECKSUM_CHUNK_NUMEL elements of its flattened bytes,
+# in the safetensors metadata of its own file under the tensor's key, so data and checksums are
+# written in one atomic file write. A reader verifies exactly the chunks it reads: loading at
+# another world size reads a slice of a saved row widened to chunk boundaries (at most one chunk
+# more at each end, ``chunk_span``), so each rank still reads only the saved rows that overlap its
+# new ones, and every byte it uses is checked. Whole tensors (the extras) verify every chunk.
+# CRC-32 (zlib) runs at several GB/s, a small part of writing the same bytes to disk.
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from pathlib import PurePath
+from typing import Any
 
-FORMAT_VERSION = 1
+import torch
+
+FORMAT = "hf_lowzero.zero"
+FORMAT_VERSION = 2  # 2: per-chunk checksums of every tensor ([Note: checksums]); 1 had none
 META_FILE = "zero_meta.json"
 EXTRAS_FILE = "zero_model_extras.safetensors"
 TRAINER_SUBDIR = "zero_optimizer"  # the sharded optimizer inside a Trainer checkpoint-N folder
 PARTIAL_SUFFIX = ".partial"  # a save in progress (see [Note: atomic save])
+CHECKSUM_CHUNK_NUMEL = 1 << 18  # 1 MiB of fp32 per checksum
 
 _RANK_FILE = "zero_shard_rank{rank:05d}_of_{world_size:05d}.safetensors"
 # Files written by one rank only: its optimizer shard, and the Trainer's per-rank RNG state.
@@ -51,3 +70,73 @@ def owner_rank(path: str | PurePath) -> int:
 
 def partial_dir(path: PurePath) -> PurePath:
     return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def master_key(name: str) -> str:
+    return f"master/{name}"  # this rank's real (unpadded) elements of the fp32 master weights
+
+
+def state_key(name: str, key: str) -> str:
+    return f"state/{name}/{key}"  # this rank's elements of an optimizer state tensor (exp_avg, ...)
+
+
+def extra_key(name: str) -> str:
+    return f"extra/{name}"  # a frozen param or persistent buffer, whole, in EXTRAS_FILE
+
+
+def format_header() -> dict[str, Any]:
+    """The fields of ``zero_meta.json`` that say what it is; checked by :func:`format_error`."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION}
+
+
+def format_error(meta: Any) -> str | None:
+    """What is wrong with the format fields of a parsed ``zero_meta.json``, or None."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return "not an hf_lowzero checkpoint metadata file"
+    version = meta.get("format_version")
+    if version == FORMAT_VERSION:
+        return None
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        return (
+            f"format version {version} was written by an older hf_lowzero, without per-tensor checksums; this "
+            f"hf_lowzero reads version {FORMAT_VERSION}. Load or consolidate it with the hf_lowzero that saved it."
+        )
+    return (
+        f"unknown format version {version!r}; this hf_lowzero reads version {FORMAT_VERSION}. "
+        "Upgrade hf_lowzero to load it."
+    )
+
+
+def file_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The safetensors metadata of a file holding ``tensors``: each key's chunk checksums."""
+    return {key: " ".join(f"{c:08x}" for c in chunk_checksums(t)) for key, t in tensors.items()}
+
+
+def chunk_checksums(tensor: torch.Tensor) -> list[int]:
+    """CRC-32 of each CHECKSUM_CHUNK_NUMEL-element chunk of ``tensor`` flattened (last one shorter)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    raw = memoryview(flat.view(torch.uint8).numpy())  # the bytes as stored (numpy has no bf16)
+    step = CHECKSUM_CHUNK_NUMEL * flat.element_size()
+    return [zlib.crc32(raw[i : i + step]) for i in range(0, len(raw), step)]
+
+
+def chunk_span(start: int, end: int, numel: int) -> tuple[int, int]:
+    """The chunk-aligned elements ``[lo, hi)`` of a ``numel``-element tensor that hold ``[start, end)``."""
+    lo = start // CHECKSUM_CHUNK_NUMEL * CHECKSUM_CHUNK_NUMEL
+    hi = min(-(-end // CHECKSUM_CHUNK_NUMEL) * CHECKSUM_CHUNK_NUMEL, numel)
+    return lo, hi
+
+
+def checksum_error(stored: str | None, data: torch.Tensor, start: int = 0) -> str | None:
+    """Compare ``data`` (the tensor's elements from ``start``, chunk-aligned; see ``chunk_span``)
+    with the checksums ``stored`` in the file's metadata; what differs, or None."""
+    if stored is None:
+        return "has no checksum in the file's metadata"
+    expected = stored.split()
+    first = start // CHECKSUM_CHUNK_NUMEL
+    for i, actual in enumerate(chunk_checksums(data), start=first):
+        if i >= len(expected) or int(expected[i], 16) != actual:
+            lo = i * CHECKSUM_CHUNK_NUMEL
+            hi = min(lo + CHECKSUM_CHUNK_NUMEL, start + data.numel())
+            return f"is corrupted: elements [{lo}, {hi}) do not match their checksum (the file changed after saving)"
+    return None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE
+from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE, extra_key, master_key, state_key
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
 from hf_lowzero.checkpoint.shards import CheckpointError, ShardView, scalar_from_json, unsharded_state
 from hf_lowzero.zero import comm
@@ -102,13 +102,13 @@ def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, A
         saved, shard = meta["params"][name], view.shards[pos]
         template = view.zero["master_rows"][pos]
         masters[pos] = torch.zeros(shard.shard_numel, dtype=template.dtype, device=template.device)
-        read_row(reader, f"master/{name}", saved["numel"], shard, view.rank, masters[pos])
+        read_row(reader, master_key(name), saved["numel"], shard, view.rank, masters[pos])
         if not saved["has_state"]:
             continue
         entry = {k: scalar_from_json(v) for k, v in saved["scalar_state"].items()}
         for key in saved["row_state"]:
             entry[key] = torch.zeros(shard.shard_numel, dtype=torch.float32)  # load_state_dict casts/moves
-            read_row(reader, f"state/{name}/{key}", saved["numel"], shard, view.rank, entry[key])
+            read_row(reader, state_key(name, key), saved["numel"], shard, view.rank, entry[key])
         state[pos] = entry
     groups = []
     for g_meta, live in zip(meta["param_groups"], view.state_dict["param_groups"]):
@@ -129,6 +129,6 @@ def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, A
     )
     stored = meta.get("extras", {})  # the rest were left to the model's own checkpoint
     values = {
-        name: reader.read(EXTRAS_FILE, f"extra/{name}", list(t.shape)) for name, t in extras.items() if name in stored
+        name: reader.read(EXTRAS_FILE, extra_key(name), list(t.shape)) for name, t in extras.items() if name in stored
     }
     return {"state": state, "param_groups": groups, SECTION: zero}, values

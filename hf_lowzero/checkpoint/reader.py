@@ -1,4 +1,5 @@
-"""Reading a sharded checkpoint: its metadata, and any slice of any rank's rows, validated.
+"""Reading a sharded checkpoint: its metadata, and any slice of any rank's rows, validated
+(present, complete, of the recorded shape, matching its checksums: [Note: checksums] in layout.py).
 
 Example::
 
@@ -18,7 +19,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from hf_lowzero.checkpoint.layout import FORMAT_VERSION, META_FILE, partial_dir, rank_file_name
+from hf_lowzero.checkpoint.layout import (
+    META_FILE,
+    checksum_error,
+    chunk_span,
+    format_error,
+    partial_dir,
+    rank_file_name,
+)
 from hf_lowzero.checkpoint.shards import CheckpointError
 from hf_lowzero.zero.partition import ParamShard
 
@@ -34,13 +42,9 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path}: corrupted metadata ({e})") from e
-    if not isinstance(meta, dict) or meta.get("format") != "hf_lowzero.zero":
-        raise CheckpointError(f"{meta_path}: not an hf_lowzero checkpoint metadata file")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_path}: unknown format version {meta.get('format_version')!r}; this hf_lowzero "
-            f"reads version {FORMAT_VERSION}. Upgrade hf_lowzero to load it."
-        )
+    error = format_error(meta)
+    if error is not None:
+        raise CheckpointError(f"{meta_path}: {error}")
     return meta
 
 
@@ -53,6 +57,7 @@ class ShardReader:
         self.saved_world_size = meta["world_size"]
         self._open: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
+        self._checksums: dict[str, dict[str, str]] = {}
 
     def file(self, name: str):
         if name not in self._open:
@@ -69,12 +74,15 @@ class ShardReader:
             try:
                 self._open[name] = safe_open(str(file), framework="pt")
                 self._keys[name] = set(self._open[name].keys())
+                self._checksums[name] = self._open[name].metadata() or {}
             except Exception as e:  # safetensors raises its own error type for bad headers
                 raise CheckpointError(f"{file}: truncated or corrupted ({e})") from e
         return self._open[name]
 
     def read(self, name: str, key: str, shape: list[int], start: int | None = None, end: int | None = None):
-        """Tensor ``key`` of ``shape`` from file ``name``; elements ``[start, end)`` if given (1D)."""
+        """Tensor ``key`` of ``shape`` from file ``name``; elements ``[start, end)`` if given (1D).
+
+        Reads and verifies the checksummed chunks that hold what is asked ([Note: checksums])."""
         f = self.file(name)
         if key not in self._keys[name]:
             raise CheckpointError(f"{self.path / name}: tensor {key!r} missing")
@@ -82,9 +90,17 @@ class ShardReader:
         if list(sl.get_shape()) != shape:
             raise CheckpointError(f"{self.path / name}: tensor {key!r} has shape {sl.get_shape()}, expected {shape}")
         try:
-            return sl[start:end] if start is not None else f.get_tensor(key)
+            if start is None:
+                lo, data = 0, f.get_tensor(key)
+            else:
+                lo, hi = chunk_span(start, end, shape[0])
+                data = sl[lo:hi]
         except Exception as e:
             raise CheckpointError(f"{self.path / name}: tensor {key!r} unreadable ({e})") from e
+        error = checksum_error(self._checksums[name].get(key), data, lo)
+        if error is not None:
+            raise CheckpointError(f"{self.path / name}: tensor {key!r} {error}")
+        return data if start is None else data[start - lo : end - lo]
 
     @property
     def files_read(self) -> list[str]:

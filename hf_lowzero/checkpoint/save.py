@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import save_file
 
-from hf_lowzero.checkpoint.layout import EXTRAS_FILE, FORMAT_VERSION, META_FILE, partial_dir, rank_file_name
+from hf_lowzero.checkpoint.layout import (
+    EXTRAS_FILE,
+    META_FILE,
+    extra_key,
+    file_checksums,
+    format_header,
+    master_key,
+    partial_dir,
+    rank_file_name,
+    state_key,
+)
 from hf_lowzero.checkpoint.shards import ShardView, atomic_write, scalar_to_json, unsharded_state
 from hf_lowzero.zero import comm
 
@@ -53,16 +63,16 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
 
     extras = unsharded_state(opt.model, view.params, view.names)
     if view.rank == 0 and model_extras:
-        tensors = {f"extra/{name}": t.detach().cpu().clone() for name, t in extras.items()}
-        atomic_write(partial / EXTRAS_FILE, lambda f: save_file(tensors, f))
+        tensors = {extra_key(name): t.detach().cpu().clone() for name, t in extras.items()}
+        _write_tensors(partial / EXTRAS_FILE, tensors)
     tensors = {}
     for pos, name in enumerate(view.names):
         owned = view.shards[pos].owned_numel(view.rank)
-        tensors[f"master/{name}"] = view.zero["master_rows"][pos][:owned].cpu().clone()
+        tensors[master_key(name)] = view.zero["master_rows"][pos][:owned].cpu().clone()
         for key, value in view.row_state(pos).items():
-            tensors[f"state/{name}/{key}"] = value[:owned].cpu().clone()
+            tensors[state_key(name, key)] = value[:owned].cpu().clone()
     own_file = partial / rank_file_name(view.rank, view.world_size)
-    atomic_write(own_file, lambda f: save_file(tensors, f))
+    _write_tensors(own_file, tensors)
     if os.environ.get(CRASH_POINT_ENV) == "after_rank_files":
         os._exit(17)
 
@@ -101,8 +111,7 @@ def _metadata(view: ShardView, extras, stored: bool, sizes: list[int], partial: 
         for g in view.state_dict["param_groups"]
     ]
     return {
-        "format": "hf_lowzero.zero",
-        "format_version": FORMAT_VERSION,
+        **format_header(),
         "world_size": view.world_size,
         "stage": view.zero["stage"],
         "params": params,
@@ -117,6 +126,12 @@ def _metadata(view: ShardView, extras, stored: bool, sizes: list[int], partial: 
         "files": {rank_file_name(r, view.world_size): size for r, size in enumerate(sizes)}
         | ({EXTRAS_FILE: (partial / EXTRAS_FILE).stat().st_size} if stored else {}),
     }
+
+
+def _write_tensors(target: Path, tensors: dict) -> None:
+    """One safetensors file, each tensor's checksums in its metadata ([Note: checksums])."""
+    metadata = file_checksums(tensors)
+    atomic_write(target, lambda f: save_file(tensors, f, metadata=metadata))
 
 
 def _dtype_name(t) -> str:
