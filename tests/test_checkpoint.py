@@ -166,7 +166,7 @@ def corrupt(src, dst, how):
             f.write(b"\xff" * 16)
     elif how == "flipped_bytes":
         flip_data_byte(rank1, "state/embed.weight/exp_avg")
-    elif how in ("unknown_version", "old_version"):
+    elif how in ("unknown_version", "version_1"):
         meta_path = os.path.join(dst, "zero_meta.json")
         with open(meta_path) as f:
             meta = json.load(f)
@@ -183,7 +183,6 @@ BAD = {
     "garbage_header": "zero_shard_rank00001_of_00002.safetensors: truncated or corrupted",
     "flipped_bytes": "zero_shard_rank00001_of_00002.safetensors: tensor 'state/embed.weight/exp_avg' is corrupted",
     "unknown_version": "zero_meta.json: unknown format version 99",
-    "old_version": "zero_meta.json: format version 1 was written by an older hf_lowzero, without per-tensor checksums",
     "no_metadata": "zero_meta.json: missing; not a complete hf_lowzero checkpoint",
 }
 
@@ -193,7 +192,7 @@ def bad_checkpoint_body(rank, world_size, tmp):
     train(model, opt, rank, world_size, range(2), torch.float32)
     good = save_checkpoint(opt, f"{tmp}/good")
     if rank == 0:
-        for how in BAD:
+        for how in [*BAD, "version_1"]:
             corrupt(good, f"{tmp}/{how}", how)
     dist.barrier()
     train(model, opt, rank, world_size, range(2, 3), torch.float32)  # so a wrong load would show
@@ -209,6 +208,10 @@ def bad_checkpoint_body(rank, world_size, tmp):
             load_checkpoint(other_opt, good)
         assert_unchanged(before, other, other_opt)
     load_checkpoint(opt, good)  # the good one still loads after all that
+    loaded = snapshot(model, opt)
+    train(model, opt, rank, world_size, range(2, 3), torch.float32)
+    load_checkpoint(opt, f"{tmp}/version_1")  # saved before checksums existed: loads, unverified
+    assert_unchanged(loaded, model, opt)
 
 
 def corrupted_elsewhere_body(rank, world_size, tmp):

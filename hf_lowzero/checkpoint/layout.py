@@ -94,17 +94,18 @@ def format_error(meta: Any) -> str | None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return "not an hf_lowzero checkpoint metadata file"
     version = meta.get("format_version")
-    if version == FORMAT_VERSION:
+    if version in (1, FORMAT_VERSION):  # 1: the same layout without checksums, read unverified
         return None
-    if isinstance(version, int) and version < FORMAT_VERSION:
-        return (
-            f"format version {version} was written by an older hf_lowzero, without per-tensor checksums; this "
-            f"hf_lowzero reads version {FORMAT_VERSION}. Load or consolidate it with the hf_lowzero that saved it."
-        )
     return (
         f"unknown format version {version!r}; this hf_lowzero reads version {FORMAT_VERSION}. "
         "Upgrade hf_lowzero to load it."
     )
+
+
+def has_checksums(meta: dict[str, Any]) -> bool:
+    """Whether the checkpoint's files carry checksums: from version 2 on. Version 1 checkpoints (the
+    same layout, saved before checksums existed) still load, their bytes unverified."""
+    return meta["format_version"] >= 2
 
 
 def file_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
