@@ -8,19 +8,11 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 VOCAB = 97
 
 
-def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+def tiny_gpt2(seed: int = 0, **config) -> GPT2LMHeadModel:
+    """A 2-layer, 32-wide GPT-2 without dropout; ``config`` overrides any GPT2Config field."""
     torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(config)
+    defaults = dict(n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(GPT2Config(**({"vocab_size": VOCAB} | defaults | config)))
 
 
 def tiny_bert(seed: int = 0) -> BertForSequenceClassification:

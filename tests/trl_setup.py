@@ -8,7 +8,9 @@ import string
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+from tests.hf_models import tiny_gpt2
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHARS = string.ascii_lowercase + " .,"
@@ -27,21 +29,9 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_causal_lm(tokenizer, seed: int = 0) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return GPT2LMHeadModel(config)
+    ids = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return tiny_gpt2(seed, vocab_size=len(tokenizer), n_positions=64, pad_token_id=ids[0], bos_token_id=ids[1],
+                     eos_token_id=ids[1])  # fmt: skip
 
 
 def tiny_t5(tokenizer, seed: int = 0) -> T5ForConditionalGeneration:
