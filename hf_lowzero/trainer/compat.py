@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from hf_lowzero.zero.inner import check_inner_optimizer, check_optimizer_class
+from hf_lowzero.zero.inner import check_optimizer_class
+from hf_lowzero.zero.optimizer import check_inner_optimizer
 from hf_lowzero.zero.params import managed_slots
 
 

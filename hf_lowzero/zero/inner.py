@@ -43,28 +43,6 @@ def check_optimizer_class(cls: type, allow_untested: bool) -> None:
         )
 
 
-def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
-    """Raise a clear error unless ``optimizer`` is a fresh, element-wise ``torch.optim.Optimizer``.
-
-    Example::
-
-        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), False)
-    """
-    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
-
-    cls = type(optimizer)
-    if isinstance(optimizer, LowLevelZeroOptimizer):
-        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
-    check_optimizer_class(cls, allow_untested)
-    if has_taken_steps(optimizer):
-        raise ValueError(
-            f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "
-            "and load state through LowLevelZeroOptimizer's checkpoint API instead."
-        )
-
-
 def has_taken_steps(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` holds state from steps it took. State its constructor creates (Adagrad's
     ``sum`` and ``step`` = 0) is not: there every entry carries a ``step`` of 0.

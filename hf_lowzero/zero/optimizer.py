@@ -44,7 +44,7 @@ from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
-from hf_lowzero.zero.inner import check_inner_optimizer, prefer_fused_on_cpu
+from hf_lowzero.zero.inner import check_optimizer_class, has_taken_steps, prefer_fused_on_cpu
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
@@ -446,4 +446,24 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             optimizer_state=bytes_by_device(state),
             buffers=bytes_by_device(self.model.buffers()),
             comm_buffers=bytes_by_device(self.reducer.pool.tensors()),
+        )
+
+
+def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
+    """Raise a clear error unless ``optimizer`` is a fresh, element-wise ``torch.optim.Optimizer``.
+
+    Example::
+
+        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), False)
+    """
+    cls = type(optimizer)
+    if isinstance(optimizer, LowLevelZeroOptimizer):
+        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
+    check_optimizer_class(cls, allow_untested)
+    if has_taken_steps(optimizer):
+        raise ValueError(
+            f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "
+            "and load state through LowLevelZeroOptimizer's checkpoint API instead."
         )
