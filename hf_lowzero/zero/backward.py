@@ -25,7 +25,7 @@ import torch
 
 from hf_lowzero.zero.buckets import Bucket, BucketState, PlanOrderLauncher
 from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.stages import BucketReducer
+from hf_lowzero.zero.reducer import BucketReducer
 
 MAX_IN_FLIGHT = 2  # buckets reducing at once; bounds transient buffer memory
 

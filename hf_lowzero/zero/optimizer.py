@@ -49,8 +49,8 @@ from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
 from hf_lowzero.zero.params import WrapGuard, managed_slots
+from hf_lowzero.zero.reducer import BucketReducer
 from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
-from hf_lowzero.zero.stages import BucketReducer
 
 _HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
