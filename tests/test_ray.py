@@ -327,3 +327,42 @@ def test_a_tune_trial_whose_worker_is_killed_is_retried_under_the_trials_run_con
     assert step_of(ray.train.Result.from_path(str(tmp_path / "runs" / "trial_job")).checkpoint.path) == 4
     # Tune got the recipe's reports through the trial's callback: the retry resumed step 2's checkpoint.
     assert (trial.metrics["step"], trial.metrics["resumed_from_step"], trial.metrics["train_end"]) == (4, 2, True)
+
+
+def _prepare_checks(config: dict) -> dict:
+    """Inside a Ray Train worker: prepare_trainer once and twice, and the settings it refuses."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_lowzero.ray import local_output_dir, prepare_trainer
+    from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+
+    out = local_output_dir()
+    data = TokenDataset()
+    trainer = LowZeroTrainer(model=tiny_gpt2(), args=make_args(out, 2, save_strategy="steps"), train_dataset=data)
+    assert prepare_trainer(prepare_trainer(trainer)) is trainer
+    errors = {"reporters": sum(isinstance(cb, ReportShardedCheckpoints) for cb in trainer.callback_handler.callbacks)}
+    refused = {
+        "other upload mode": lambda: prepare_trainer(trainer, upload="sync"),
+        "no checkpoints": lambda: prepare_trainer(LowZeroTrainer(model=tiny_gpt2(), args=make_args(out, 2))),
+        "one-process world": lambda: prepare_trainer(Trainer(model=tiny_gpt2(), args=TrainingArguments(out))),
+    }
+    for what, call in refused.items():
+        try:
+            call()
+            errors[what] = "accepted"
+        except (RuntimeError, ValueError) as e:
+            errors[what] = str(e)
+    return errors
+
+
+def test_prepare_trainer_in_a_worker_is_idempotent_and_refuses_what_cannot_be_resumed(local_ray, tmp_path):
+    result = ray.train.torch.TorchTrainer(
+        _prepare_checks,
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(name="prepare", storage_path=str(tmp_path)),
+    ).fit()
+    errors = result.return_value
+    assert errors["reporters"] == 1, "a second prepare_trainer added a second reporter"
+    assert "already prepared with upload='async'" in errors["other upload mode"]
+    assert "save_strategy='no'" in errors["no checkpoints"]
+    assert "args.world_size is 1 but the Ray Train worker group has 2 workers" in errors["one-process world"]
