@@ -1,9 +1,9 @@
 """Per-rank memory of DDP vs ZeRO stage 1 and 2, against the ZeRO formulas.
 
-    python benchmarks/memory.py                  # all three tables (~33 min on 2 cores, mostly the 124M one)
+    python benchmarks/memory.py                  # all three tables (~30 min on 2 cores, mostly the 124M one)
     python benchmarks/memory.py --part formula   # world sizes 1, 2, 4; fp32 and bf16; ~23M-param GPT-2
     python benchmarks/memory.py --part peak      # peak RSS while training, GPT-2 124M shape, W = 2, 4
-    python benchmarks/memory.py --part baselines # peak RSS: ours vs DDP, DeepSpeed, FSDP2, ZeRO-O; ~8 min
+    python benchmarks/memory.py --part baselines # peak RSS: ours vs DDP, DeepSpeed, FSDP2, ZeRO-O; ~4 min
 
 Model-state bytes come from the live tensors after two training steps, with the gradients of the
 next backward held (params + gradients + optimizer state, master rows included; for DDP its

@@ -1,6 +1,6 @@
 """Step time of ZeRO stage 1/2 against DDP, DeepSpeed, FSDP2 and ZeroRedundancyOptimizer, W=2 on CPU.
 
-    python benchmarks/step_time.py              # ~12 min; results/step_time.{md,json,png}
+    python benchmarks/step_time.py              # ~8 min; results/step_time.{md,json,png}
     python benchmarks/step_time.py --rounds 5   # fewer rounds, wider spreads
 
 All setups of one model live in the same process group and are timed in turns, A B C A B C ...,
