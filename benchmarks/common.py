@@ -1,30 +1,42 @@
-"""Shared pieces of the benchmarks: models, the ZeRO/DDP/... setups, result tables."""
+"""Shared pieces of the benchmarks: models, the ZeRO/DDP/DeepSpeed/... setups, result tables."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import json
+import os
 import resource
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# DeepSpeed picks its accelerator at import; without a GPU it must be told (and we never want CUDA).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+INSTALL_BENCH = 'pip install -c constraints.txt -e ".[bench]"'
 
 
-def gpt2(n_layer: int, n_embd: int, vocab: int = 8192, seed: int = 0):
-    """A GPT-2 built from a config (no download). n_layer=6, n_embd=512 is ~23M params."""
+def gpt2(n_layer: int, n_embd: int, vocab: int = 8192, seed: int = 0, dropout: float = 0.1):
+    """A GPT-2 built from a config (no download). n_layer=6, n_embd=512 is ~23M params.
+    ``dropout=0.0`` makes training deterministic, so that setups can be compared param for param."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=vocab, n_positions=128, n_embd=n_embd, n_layer=n_layer, n_head=8, bos_token_id=0, eos_token_id=0
-    )
+        vocab_size=vocab, n_positions=128, n_embd=n_embd, n_layer=n_layer, n_head=8, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
     return GPT2LMHeadModel(config)
 
 
@@ -40,6 +52,118 @@ class ManySmall(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+def deepspeed_missing() -> str | None:
+    """None when DeepSpeed imports; else the line to print: its setups are skipped, and how to get it."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        return f"DeepSpeed skipped ({e}); install it with: {INSTALL_BENCH}"
+    return None
+
+
+def deepspeed_config(stage: int, micro: int) -> dict:
+    """DeepSpeed ZeRO stage 1/2 in fp32, as the other setups train: no clipping, no loss scaling,
+    ``micro`` micro-batches per optimizer step; bucket sizes and overlap at DeepSpeed's defaults."""
+    return {
+        # DeepSpeed reads the batch size only for its own data loader and throughput log; we feed the batches.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**30,
+    }
+
+
+SETUPS = ["ddp", "ddp_fused", "zero_redundancy", "fsdp2", "deepspeed1", "deepspeed2", "zero1", "zero2"]
+
+
+class Setup:
+    """One way to train ``model`` on the current process group, ``micro`` micro-batches per step.
+
+    ``ddp``: DDP + ``torch.optim.AdamW(params)`` as a user writes it (on CPU torch's default kernel
+    is the for-loop); ``ddp_fused``: the same with ``fused=True``, the kernel ZeRO uses on its host
+    rows; ``zero_redundancy``: DDP + torch's ``ZeroRedundancyOptimizer`` over AdamW; ``fsdp2``:
+    ``fully_shard`` on each GPT-2 block, then the root (ZeRO-3: params resharded after forward);
+    ``deepspeed1``/``deepspeed2``: a DeepSpeed engine, ZeRO stage 1/2, torch AdamW as its client
+    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours. Every one runs AdamW with its
+    default hyperparameters in fp32 without clipping. Accumulating, DDP-based setups and stage 1
+    run the first micro-batches under ``no_sync``; FSDP2 and stage 2 reduce-scatter every one;
+    DeepSpeed decides itself (``gradient_accumulation_steps``, ``engine.step()`` per micro-batch).
+
+    Example::
+
+        setup = Setup("deepspeed2", gpt2(4, 256), micro=4)
+        setup.step(lambda module, i: module(input_ids=xs[i], labels=xs[i]).loss)
+    """
+
+    def __init__(self, name: str, model: nn.Module, micro: int) -> None:
+        if name not in SETUPS:
+            raise ValueError(f"unknown setup {name!r}; expected one of {SETUPS}")
+        self.name, self.model, self.micro = name, model, micro
+        self.no_sync = contextlib.nullcontext
+        self.finish = self._optimizer_step
+        if name in ("ddp", "ddp_fused", "zero_redundancy"):
+            self.module = DDP(model)
+            self.no_sync = self.module.no_sync
+            if name == "zero_redundancy":
+                self.opt = ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=torch.optim.AdamW)
+            else:
+                fused = {"fused": True} if name == "ddp_fused" else {}
+                self.opt = torch.optim.AdamW(self.module.parameters(), **fused)
+            self.backward = lambda loss: loss.backward()
+        elif name == "fsdp2":
+            mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in getattr(getattr(model, "transformer", None), "h", []):
+                fully_shard(block, mesh=mesh)
+            self.module = fully_shard(model, mesh=mesh)
+            self.opt = torch.optim.AdamW(model.parameters())
+            self.backward = lambda loss: loss.backward()
+        elif name.startswith("deepspeed"):
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group run_distributed made
+            config = deepspeed_config(int(name[-1]), micro)
+            client = torch.optim.AdamW(model.parameters())
+            self.module, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
+            self.backward = self._deepspeed_backward
+            self.finish = lambda: None  # engine.step() stepped and zeroed at the accumulation boundary
+        else:
+            stage = int(name[-1])
+            self.module = model
+            self.opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=stage)
+            self.backward = self.opt.backward
+            self.no_sync = self.opt.no_sync if stage == 1 else contextlib.nullcontext
+
+    def _optimizer_step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def _deepspeed_backward(self, loss: torch.Tensor) -> None:
+        # step() below already divided the loss by the micro-batch count, as for every setup.
+        self.module.backward(loss, scale_wrt_gas=False)
+        self.module.step()
+
+    def step(self, loss_of) -> None:
+        """One optimizer step over ``micro`` micro-batches; ``loss_of(module, i)`` is micro-batch i's loss."""
+        for i in range(self.micro):
+            with self.no_sync() if i < self.micro - 1 else contextlib.nullcontext():
+                self.backward(loss_of(self.module, i) / self.micro)
+        self.finish()
+
+    def full_params(self) -> list[torch.Tensor]:
+        """Every param, whole (FSDP2's are gathered: call on all ranks together), in model order."""
+        return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in self.model.parameters()]
+
+
+def max_param_diff(a: Setup, b: Setup) -> float:
+    """Largest absolute difference between the params of two setups of the same model, over all ranks."""
+    diff = max((x - y).abs().max() for x, y in zip(a.full_params(), b.full_params(), strict=True))
+    diff = diff.clone()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
 
 
 def reset_peak_rss() -> None:

@@ -1,8 +1,9 @@
 """Per-rank memory of DDP vs ZeRO stage 1 and 2, against the ZeRO formulas.
 
-    python benchmarks/memory.py                  # both tables (~25 min on 2 cores, mostly the 124M one)
+    python benchmarks/memory.py                  # all three tables (~30 min on 2 cores, mostly the 124M one)
     python benchmarks/memory.py --part formula   # world sizes 1, 2, 4; fp32 and bf16; ~23M-param GPT-2
     python benchmarks/memory.py --part peak      # peak RSS while training, GPT-2 124M shape, W = 2, 4
+    python benchmarks/memory.py --part baselines # peak RSS: ours vs DDP, DeepSpeed, FSDP2, ZeRO-O; ~4 min
 
 Model-state bytes come from the live tensors after two training steps, with the gradients of the
 next backward held (params + gradients + optimizer state, master rows included; for DDP its
@@ -11,12 +12,16 @@ communication scratch (reported by memory_report(), bounded by the buckets in fl
 is the process's peak resident memory over the two steps (2 micro-batches each, the first under
 no_sync() for DDP and stage 1, as Trainer runs them), measured from a VmHWM reset taken after the
 model is built: torch runtime and params included, import and init transients not; peak_vs_ddp
-divides it by DDP's. The formulas, with Adam (K = 12 bytes/param: fp32
+divides it by DDP's. The baselines table measures that peak for every setup of
+``benchmarks.common.Setup`` (DDP with default and fused AdamW, ZeroRedundancyOptimizer, FSDP2,
+DeepSpeed ZeRO-1/2, ours), the largest over ranks; DeepSpeed is skipped, with a printed line, when
+it is not installed, and imported (and its process group adopted) before the peak window opens,
+as torch and transformers are. The formulas, with Adam (K = 12 bytes/param: fp32
 master + 2 moments) and p bytes per param: DDP (fp32) 16Ψ; stage 1 and stage 2 pΨ + 16Ψ/W (fp32
 gradient rows; both reduce-scatter); stage 1 while accumulating under no_sync() 2pΨ + 16Ψ/W (the
 full local gradients). "frozen" freezes all but the attention projections (a LoRA-like Ψ_t of
 trainable params): pΨ + 16Ψ_t/W, frozen params add nothing to gradients or optimizer state.
-Writes results/memory.md, results/memory.json and results/memory.png.
+Writes results/memory.{md,json,png}, results/memory_peak.* and results/memory_baselines.*.
 """
 
 from __future__ import annotations
@@ -30,9 +35,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from benchmarks.common import RESULTS, bar_plot, collect, gpt2, peak_rss_bytes, reset_peak_rss, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    SETUPS,
+    Setup,
+    bar_plot,
+    collect,
+    deepspeed_missing,
+    gpt2,
+    peak_rss_bytes,
+    reset_peak_rss,
+    write_results,
+)
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.zero.memory import tensor_bytes  # noqa: E402
 
@@ -112,13 +129,15 @@ def run(world: int, mode: str, dtype: str, size: tuple[int, int, int], rows: lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Per-rank memory of DDP vs ZeRO stage 1 and 2")
-    parser.add_argument("--part", choices=["formula", "peak", "all"], default="all")
+    parser.add_argument("--part", choices=["formula", "peak", "baselines", "all"], default="all")
     part = parser.parse_args().part
     RESULTS.mkdir(exist_ok=True)
     if part in ("formula", "all"):
         formula_table()
     if part in ("peak", "all"):
         peak_table()
+    if part in ("baselines", "all"):
+        baselines_table()
 
 
 def formula_table() -> None:
@@ -157,6 +176,57 @@ def peak_table() -> None:
         [r["peak_vs_ddp"] for r in peak_rows],
         xlabel="peak RSS per rank while training / DDP's (lower is less memory)",
         title="GPT-2 124M shape, CPU/gloo",
+    )
+
+
+def baseline_body(rank: int, world_size: int, name: str, out: str) -> None:
+    model = gpt2(*SMALL)
+    xs = [torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(rank + 10 * i)) for i in range(2)]
+    if name.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    reset_peak_rss()  # the training peak: wrapping, optimizer state, buckets, activations
+    setup = Setup(name, model, micro=len(xs))
+    for _ in range(STEPS):
+        setup.step(lambda module, i: module(input_ids=xs[i], labels=xs[i]).loss)
+    peak = torch.tensor(peak_rss_bytes())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(
+            json.dumps({"setup": name, "world_size": world_size, "peak_train_rss_MiB": peak.item() / 2**20})
+        )
+
+
+def baselines_table() -> None:
+    names = SETUPS
+    skipped = deepspeed_missing()
+    if skipped:
+        print(skipped, flush=True)
+        names = [n for n in SETUPS if not n.startswith("deepspeed")]
+    rows: list[dict] = []
+    for world in (2, 4):
+        for name in names:
+            row = collect(baseline_body, world, name=name)
+            ddp = next((r for r in rows if r["setup"] == "ddp" and r["world_size"] == world), row)
+            row["peak_vs_ddp"] = row["peak_train_rss_MiB"] / ddp["peak_train_rss_MiB"]
+            rows.append(row)
+            print(row, flush=True)
+    n_layer, n_embd, _ = SMALL
+    header = (
+        f"# Peak resident memory per rank while training, GPT-2 {n_layer}x{n_embd}, every setup\n\n"
+        "`python benchmarks/memory.py --part baselines`: fp32, AdamW, 2 steps of 2 micro-batches; the largest peak "
+        "over ranks, from a VmHWM reset after the model is built (and DeepSpeed imported); peak_vs_ddp = "
+        "peak_train_rss_MiB / DDP's (default AdamW) at the same world size. "
+        + (skipped or "DeepSpeed ZeRO-1/2 with torch AdamW as client optimizer (`benchmarks.common.deepspeed_config`).")
+    )
+    print(write_results("memory_baselines", rows, ["setup", "world_size", "peak_train_rss_MiB", "peak_vs_ddp"], header))
+    bar_plot(
+        RESULTS / "memory_baselines.png",
+        [f"W={r['world_size']} {r['setup']}" for r in rows],
+        [r["peak_vs_ddp"] for r in rows],
+        xlabel="peak RSS per rank while training / DDP's (lower is less memory)",
+        title=f"GPT-2 {n_layer}x{n_embd}, CPU/gloo",
     )
 
 

@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E402
-from benchmarks.step_time import Setup  # noqa: E402
+from benchmarks.common import RESULTS, Setup, collect, gpt2, write_results  # noqa: E402
 
 WARMUP, PROFILED = 3, 6
 SETUPS = ["ddp", "zero1", "zero2"]

@@ -1,23 +1,30 @@
-"""Step time of ZeRO stage 1/2 against DDP, world size 2 on CPU, setups interleaved.
+"""Step time of ZeRO stage 1/2 against DDP, DeepSpeed, FSDP2 and ZeroRedundancyOptimizer, W=2 on CPU.
 
-    python benchmarks/step_time.py              # ~5 min; results/step_time.{md,json,png}
+    python benchmarks/step_time.py              # ~8 min; results/step_time.{md,json,png}
+    python benchmarks/step_time.py --rounds 5   # fewer rounds, wider spreads
 
 All setups of one model live in the same process group and are timed in turns, A B C A B C ...,
 ROUNDS rounds of STEPS optimizer steps each (after warm-up), so that a machine that drifts or
-hiccups affects every setup alike. Reported: the median step time over rounds, and the ratio to
-the DDP baseline of the same model computed per round (median, min, max).
+hiccups affects every setup alike. Reported: the median step time over rounds, and the ratios to
+both DDP baselines of the same model computed per round (median, min, max).
 
-Baselines: ``ddp`` is DDP with ``torch.optim.AdamW(model.parameters())`` as a user writes it
-(torch's default kernel on CPU: the for-loop); ``ddp_fused`` gives DDP the fused AdamW kernel
-that ZeRO picks for its host rows, to separate the kernel choice from the sharding. Models:
-GPT-2 4x256 (5.6M params, 52 tensors), 300 tiny Linear layers (600 tensors) and 1000 of them
-(2000 tensors), which expose per-parameter overhead. ``ms_our_python`` is the self time of
-hf_lowzero's own Python functions per step (cProfile over extra steps, outside the timed rounds).
+Setups (``benchmarks.common.Setup``): ``ddp`` is DDP with ``torch.optim.AdamW(model.parameters())``
+as a user writes it (torch's default kernel on CPU: the for-loop); ``ddp_fused`` gives DDP the
+fused AdamW kernel that ZeRO picks for its host rows, to separate the kernel choice from the
+sharding; ``zero_redundancy`` (torch's ZeroRedundancyOptimizer under DDP), ``fsdp2``
+(``fully_shard``), ``deepspeed1``/``deepspeed2`` (DeepSpeed ZeRO-1/2 engine, torch AdamW as client
+optimizer; skipped with a printed line when DeepSpeed is not installed) and ``zero1``/``zero2``
+(ours). All train the same fp32 model (dropout off) on the same per-rank data with the same AdamW
+hyperparameters; ``max_param_diff`` is the largest absolute difference of any param from DDP's
+after all the timed steps, so each row shows it trained the same thing. Models: GPT-2 4x256 (5.6M
+params, 52 tensors), 300 tiny Linear layers (600 tensors) and 1000 of them (2000 tensors), which
+expose per-parameter overhead. ``ms_our_python`` is the self time of hf_lowzero's own Python
+functions per step (cProfile over extra steps, outside the timed rounds and after the parity check).
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import cProfile
 import json
 import pstats
@@ -30,46 +37,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from benchmarks.common import RESULTS, ManySmall, bar_plot, collect, gpt2, write_results  # noqa: E402
-from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    SETUPS,
+    ManySmall,
+    Setup,
+    bar_plot,
+    collect,
+    deepspeed_config,
+    deepspeed_missing,
+    gpt2,
+    max_param_diff,
+    write_results,
+)
 
 ROUNDS, STEPS, WARMUP, PROFILED = 15, 3, 2, 3
 PACKAGE = str(Path(__file__).resolve().parents[1] / "hf_lowzero")
-
-
-class Setup:
-    """One way to train a model: forward module, backward, step, and no_sync for accumulation."""
-
-    def __init__(self, name: str, model: torch.nn.Module, micro: int) -> None:
-        self.name, self.micro = name, micro
-        if name.startswith("ddp"):
-            self.module = DDP(model)
-            fused = {"fused": True} if name.startswith("ddp_fused") else {}
-            self.opt = torch.optim.AdamW(self.module.parameters(), **fused)
-            self.backward = lambda loss: loss.backward()
-            self.no_sync = self.module.no_sync
-        else:
-            stage = int(name[4])
-            self.module = model
-            self.opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=stage)
-            self.backward = self.opt.backward
-            self.no_sync = self.opt.no_sync if stage == 1 else contextlib.nullcontext
-
-    def step(self, loss_of) -> None:
-        for i in range(self.micro):
-            with self.no_sync() if i < self.micro - 1 else contextlib.nullcontext():
-                self.backward(loss_of(self.module, i) / self.micro)
-        self.opt.step()
-        self.opt.zero_grad()
-
-
-MODELS = {
-    "gpt2": (lambda: gpt2(4, 256), ["ddp", "ddp_fused", "zero1", "zero2"], 1),
-    "gpt2_accum4": (lambda: gpt2(4, 256), ["ddp_accum4", "ddp_fused_accum4", "zero1_accum4", "zero2_accum4"], 4),
-    "many_small_600": (lambda: ManySmall(300), ["ddp", "ddp_fused", "zero1", "zero2"], 1),
-    "many_small_2000": (lambda: ManySmall(1000), ["ddp", "ddp_fused", "zero1", "zero2"], 1),
+MODELS = {  # name: (build, micro-batches per step)
+    "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 1),
+    "gpt2_accum4": (lambda: gpt2(4, 256, dropout=0.0), 4),
+    "many_small_600": (lambda: ManySmall(300), 1),
+    "many_small_2000": (lambda: ManySmall(1000), 1),
 }
 
 
@@ -93,58 +82,79 @@ def our_python_ms(setup: Setup, loss_of) -> float:
     return 1000 * own / PROFILED
 
 
-def body(rank: int, world_size: int, out: str) -> None:
+def ratios(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
+    per_round = [t / b for t, b in zip(times[name], times[baseline])]
+    return {"": statistics.median(per_round), "_min": min(per_round), "_max": max(per_round)}
+
+
+def body(rank: int, world_size: int, out: str, names: list[str], rounds: int) -> None:
     torch.set_num_threads(1)
     rows = []
-    for kind, (build, names, micro) in MODELS.items():
+    for kind, (build, micro) in MODELS.items():
         loss_of = loss_fn(kind, rank)
         setups = [Setup(name, build(), micro) for name in names]
+        torch.set_num_threads(1)  # whatever a library set while initializing
         for setup in setups:
             for _ in range(WARMUP):
                 setup.step(loss_of)
         times = {s.name: [] for s in setups}
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for setup in setups:
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(STEPS):
                     setup.step(loss_of)
                 times[setup.name].append(1000 * (time.perf_counter() - start) / STEPS)
-        baseline = names[0]
         for setup in setups:
-            ratios = [t / b for t, b in zip(times[setup.name], times[baseline])]
-            rows.append(
-                {
-                    "model": kind,
-                    "setup": setup.name,
-                    "ms_per_step": statistics.median(times[setup.name]),
-                    "vs_ddp": statistics.median(ratios),
-                    "vs_ddp_min": min(ratios),
-                    "vs_ddp_max": max(ratios),
-                    "ms_our_python": our_python_ms(setup, loss_of) if setup.name.startswith("zero") else "",
-                    "buckets": len(setup.opt.buckets) if setup.name.startswith("zero") else "",
-                }
-            )
+            row = {"model": kind, "setup": setup.name, "ms_per_step": statistics.median(times[setup.name])}
+            row.update({f"vs_ddp{k}": v for k, v in ratios(times, setup.name, "ddp").items()})
+            row.update({f"vs_ddp_fused{k}": v for k, v in ratios(times, setup.name, "ddp_fused").items()})
+            row["max_param_diff"] = max_param_diff(setup, setups[0])
+            rows.append(row)
+        for setup, row in zip(setups, rows[-len(setups) :]):
+            ours = setup.name in ("zero1", "zero2")
+            row["ms_our_python"] = our_python_ms(setup, loss_of) if ours else ""
+            row["buckets"] = len(setup.opt.buckets) if ours else ""
         del setups
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
 
 
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per model (default {ROUNDS})")
+    rounds = parser.parse_args().rounds
+    names = SETUPS
+    skipped = deepspeed_missing()
+    if skipped:
+        print(skipped, flush=True)
+        names = [n for n in SETUPS if not n.startswith("deepspeed")]
     RESULTS.mkdir(exist_ok=True)
-    rows = collect(body, 2)
-    for row in rows:
-        ddp_fused = next(r for r in rows if r["model"] == row["model"] and r["setup"].startswith("ddp_fused"))
-        row["vs_ddp_fused"] = row["ms_per_step"] / ddp_fused["ms_per_step"]
+    rows = collect(body, 2, names=names, rounds=rounds)
     header = (
         "# Step time, world size 2, CPU/gloo, 1 thread per rank\n\n"
-        f"`python benchmarks/step_time.py`: setups interleaved, {ROUNDS} rounds of {STEPS} steps; "
-        "vs_ddp = the per-round ratio to DDP with default AdamW (median, min, max); vs_ddp_fused = "
-        "median step time / that of DDP with fused AdamW; ms_our_python = self time of hf_lowzero's "
-        "Python per step (cProfile)."
+        f"`python benchmarks/step_time.py --rounds {rounds}`: setups interleaved, {rounds} rounds of {STEPS} steps "
+        f"after {WARMUP} warm-up steps; ms_per_step = median over rounds; vs_ddp = the per-round ratio to DDP with "
+        "torch's default AdamW kernel (the for-loop on CPU), vs_ddp_fused = the per-round ratio to DDP with fused "
+        "AdamW (median, min, max of each); max_param_diff = the largest absolute difference of any param from "
+        "DDP's (default kernel) after all those steps (fp32, dropout off, same data); ms_our_python = self time "
+        "of hf_lowzero's Python per step (cProfile). DeepSpeed "
+        + (
+            skipped
+            or f"{_deepspeed_version()}, config of deepspeed2 (deepspeed1: stage 1; gpt2_accum4: "
+            f"gradient_accumulation_steps 4): `{json.dumps(deepspeed_config(2, 1))}`"
+        )
+        + "."
     )
     columns = ["model", "setup", "ms_per_step", "vs_ddp", "vs_ddp_min", "vs_ddp_max", "vs_ddp_fused"]
-    print(write_results("step_time", rows, columns + ["ms_our_python", "buckets"], header))
+    columns += ["vs_ddp_fused_min", "vs_ddp_fused_max", "max_param_diff", "ms_our_python", "buckets"]
+    print(write_results("step_time", rows, columns, header))
     bar_plot(
         RESULTS / "step_time.png",
         [f"{r['model']} {r['setup']}" for r in rows],
