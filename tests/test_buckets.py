@@ -7,7 +7,7 @@ from torch import nn
 from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
 from hf_lowzero.zero.master import unpack_bucket
 from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.stages import pack_bucket
+from hf_lowzero.zero.reducer import pack_bucket
 
 
 def make_slots(shapes, world_size, dtypes=None):
