@@ -97,7 +97,7 @@ def format_error(meta: Any) -> str | None:
     if version in (1, FORMAT_VERSION):  # 1: the same layout without checksums, read unverified
         return None
     return (
-        f"unknown format version {version!r}; this hf_lowzero reads version {FORMAT_VERSION}. "
+        f"unknown format version {version!r}; this hf_lowzero reads versions 1 to {FORMAT_VERSION}. "
         "Upgrade hf_lowzero to load it."
     )
 
