@@ -57,6 +57,8 @@ def make_inner(kind: str, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(groups, momentum=0.9)
     if kind == "adagrad":  # creates its state in the constructor
         return torch.optim.Adagrad(groups, initial_accumulator_value=0.1)
+    if kind == "adafactor":  # factored second moments: exact only on whole tensors
+        return torch.optim.Adafactor(groups, lr=1e-2)
     raise ValueError(kind)
 
 

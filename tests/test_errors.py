@@ -19,16 +19,17 @@ def test_needs_an_initialized_process_group():
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon])
-def test_whole_tensor_optimizers_are_refused(single_rank_group, cls):
+def test_whole_tensor_optimizers_are_refused_on_rows(single_rank_group, cls):
     model = nn.Linear(8, 8, bias=False)
     inner = cls(model.parameters(), lr=0.01)
     before = groups_snapshot(inner)
-    with pytest.raises(ValueError, match="wrong on the row shards"):
-        LowLevelZeroOptimizer(model, inner)
+    with pytest.raises(ValueError, match="wrong on the row shards.*partition='params'"):
+        LowLevelZeroOptimizer(model, inner, partition="rows")
     assert groups_snapshot(inner) == before  # untouched
+    assert LowLevelZeroOptimizer(model, inner).partition == "params"  # what "auto" picks for them
 
 
-def test_unknown_optimizer_needs_explicit_opt_in(single_rank_group):
+def test_unknown_optimizer_gets_whole_params_or_rows_when_vouched_for(single_rank_group):
     class SignSGD(torch.optim.Optimizer):
         def __init__(self, params, lr):
             super().__init__(params, {"lr": lr})
@@ -42,8 +43,12 @@ def test_unknown_optimizer_needs_explicit_opt_in(single_rank_group):
 
     model = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="allow_untested_optimizer=True"):
-        LowLevelZeroOptimizer(model, SignSGD(model.parameters(), lr=0.1))
+        LowLevelZeroOptimizer(model, SignSGD(model.parameters(), lr=0.1), partition="rows")
+    whole = LowLevelZeroOptimizer(model, SignSGD(model.parameters(), lr=0.1))
+    assert whole.partition == "params"
+    whole.remove_hooks()
     opt = LowLevelZeroOptimizer(model, SignSGD(model.parameters(), lr=0.1), allow_untested_optimizer=True)
+    assert opt.partition == "rows"
     before = model.weight.detach().clone()
     opt.backward(model(torch.ones(2, 4)).sum())
     opt.step()

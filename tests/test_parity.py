@@ -19,6 +19,9 @@ CASES = [
     dict(inner="sgd", overlap=False, bucket_mb=25.0, clip=0.0, scheduler=False, direct_backward=True),
     dict(inner="adamw", overlap=False, bucket_mb=0.002, clip=1e3, scheduler=False, direct_backward=True),
     dict(inner="adagrad", overlap=True, bucket_mb=0.002, clip=0.0, scheduler=False, direct_backward=False),
+    # whole-parameter ownership: AdamW (exact either way) and Adafactor (exact only whole)
+    dict(inner="adamw", overlap=True, bucket_mb=0.0005, clip=0.05, scheduler=True, direct_backward=False, whole=True),
+    dict(inner="adafactor", overlap=False, bucket_mb=25.0, clip=0.0, scheduler=False, direct_backward=True, whole=True),
 ]
 
 
@@ -40,7 +43,9 @@ def run_case(rank: int, stage: int, case: dict, steps: int = 4) -> None:
         overlap_communication=case["overlap"],
         reduce_bucket_mb=case["bucket_mb"],
         clip_grad_norm=case["clip"],
+        partition="params" if case.get("whole") else "auto",
     )
+    assert opt.partition == ("params" if case.get("whole") else "rows"), where
     schedulers = []
     if case["scheduler"]:
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
@@ -74,7 +79,11 @@ def run_case(rank: int, stage: int, case: dict, steps: int = 4) -> None:
     # Used on no rank, ever: exactly unchanged and no optimizer state of its own (Adagrad's is the
     # constructor's, untouched: step 0, as in the reference); frozen: never touched.
     assert torch.equal(model.never.weight, never[0]) and torch.equal(model.never.bias, never[1]), where
+    owner = {slot.param: slot.shard.owner for slot in opt.slots}
     for p, ref_p in ((model.never.weight, ref.module.never.weight), (model.never.bias, ref.module.never.bias)):
+        if owner[p] not in (None, rank):
+            assert p not in opt.state, where  # whole params: only the owner holds state
+            continue
         assert (p in opt.state) == (ref_p in ref_opt.state), where
         if p in opt.state:
             assert float(opt.state[p]["step"]) == 0, where

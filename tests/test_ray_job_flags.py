@@ -25,6 +25,11 @@ def test_finetune_flags_map_onto_the_config(monkeypatch):
     assert (config.offload_optimizer, config.zero_stage, config.num_workers) == (True, 1, 3)
     with pytest.raises(ValueError, match="zero_stage=3 is invalid"):
         parse_args(["--zero-stage", "3"])
+    config = parse_args(["--optim", "adafactor", "--zero-partition", "params"])[2]
+    args = config.training_arguments("out", world_size=2)
+    assert (args.optim, args.to_zero_config().partition) == ("adafactor", "params")
+    with pytest.raises(ValueError, match="partition='whole' is invalid"):
+        parse_args(["--zero-partition", "whole"])
     assert parse_args(["--no-export"])[1] is None
     assert parse_args(["--address", "auto"])[1] is None  # a cluster run exports only when asked
     assert parse_args(["--address", "auto", "--export-dir", "out/final"])[1] == os.path.abspath("out/final")

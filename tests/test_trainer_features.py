@@ -393,8 +393,8 @@ def test_lora_checkpoints_hold_only_trainable_state(tmp_path):
 @pytest.mark.parametrize(
     "overrides,kwargs,message",
     [
-        ({"optim": "adafactor"}, {}, "--optim adafactor"),
-        ({}, {"optimizer_cls_and_kwargs": (torch.optim.LBFGS, {})}, "whole tensor"),
+        ({"optim": "adafactor", "zero_partition": "rows"}, {}, "--optim adafactor.*partition='params'"),
+        ({"zero_partition": "rows"}, {"optimizer_cls_and_kwargs": (torch.optim.LBFGS, {})}, "whole tensor"),
     ],
 )
 def test_conflicting_flags_fail_at_construction(tmp_path, overrides, kwargs, message):

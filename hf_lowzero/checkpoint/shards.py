@@ -61,11 +61,11 @@ class ShardView:
 
     def row_state(self, pos: int) -> dict[str, torch.Tensor]:
         state = self.state_dict["state"].get(pos, {})
-        return {k: v for k, v in state.items() if is_row_state(v, self.shards[pos])}
+        return {k: v for k, v in state.items() if is_row_state(v, self.shards[pos], self.rank)}
 
     def scalar_state(self, pos: int) -> dict[str, Any]:
         state = self.state_dict["state"].get(pos, {})
-        return {k: v for k, v in state.items() if not is_row_state(v, self.shards[pos])}
+        return {k: v for k, v in state.items() if not is_row_state(v, self.shards[pos], self.rank)}
 
 
 def unsharded_state(model: torch.nn.Module, managed: list[torch.nn.Parameter], managed_names: list[str]):

@@ -22,7 +22,7 @@ from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_work
 from hf_lowzero.ray.reporting import UPLOAD_MODES
 from hf_lowzero.recipes.clm import ClmArguments
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
-from hf_lowzero.zero.config import check_stage
+from hf_lowzero.zero.config import ZeroConfig, check_stage
 
 # Fields whose flag name differs from the TrainingArguments field they set.
 TRAINING_ARGUMENT_NAMES = {"offload_optimizer": "zero_offload_optimizer", "num_to_keep": "save_total_limit"}
@@ -51,6 +51,12 @@ class RayFinetuneConfig:
         'Ray resources per worker as JSON, e.g. \'{"CPU": 8, "GPU": 1}\' (default: 1 GPU, or 1 CPU without --use-gpu)',
     )
     zero_stage: int = _opt(2, "0 = plain Trainer/DDP, 1 = shard optimizer states, 2 = also gradients")
+    zero_partition: str = _opt(
+        "auto", "rows (slices of every tensor), params (whole tensors, any optimizer) or auto (by optimizer)"
+    )
+    optim: str = _opt(
+        "adamw_torch", "the Trainer's --optim (adamw_torch, adafactor, adamw_torch_8bit, lion_32bit, ...)"
+    )
     max_steps: int = _opt(40, "optimizer steps in total")
     save_steps: int = _opt(10, "checkpoint (and report to Ray) every N steps")
     checkpoint_upload: str = _opt("async", "async: upload checkpoints in the background; sync: training waits for it")
@@ -93,6 +99,7 @@ class RayFinetuneConfig:
             for world in worker_range(self.num_workers):
                 self.gradient_accumulation_for(world)  # raises if the global batch does not divide
         check_stage(self.zero_stage, "zero_stage", allow_off=True)
+        ZeroConfig(partition=self.zero_partition)  # raises on a bad --zero-partition
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
         if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step <= self.max_steps:

@@ -40,6 +40,7 @@ class ZeroArguments:
     zero_overlap_communication: bool | None
     zero_communication_dtype: str | None
     zero_offload_optimizer: bool | None
+    zero_partition: str | None
     zero_config: str | None
 
     def __post_init__(self) -> None:
@@ -65,6 +66,7 @@ class ZeroArguments:
             "overlap_communication": self.zero_overlap_communication,
             "communication_dtype": self.zero_communication_dtype,
             "offload_optimizer": self.zero_offload_optimizer,
+            "partition": self.zero_partition,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
         base.update(stage=self.zero_stage or 2, clip_grad_norm=float(self.max_grad_norm or 0.0), **overrides)
@@ -96,6 +98,13 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
     zero_offload_optimizer: bool | None = field(
         default=None,
         metadata={"help": "Keep fp32 master weights, optimizer state and gradient rows in host memory (False)"},
+    )
+    zero_partition: str | None = field(
+        default=None,
+        metadata={
+            "help": "How ranks own optimizer state: rows (slices of every tensor: element-wise optimizers), "
+            "params (whole tensors: any optimizer), auto (rows for element-wise optimizers, else params; default)"
+        },
     )
     zero_config: str | None = field(
         default=None, metadata={"help": "Other ZeroConfig fields: a JSON object or a path to a JSON file"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from hf_lowzero.zero.inner import check_optimizer_class
+from hf_lowzero.zero.inner import choose_partition
 from hf_lowzero.zero.optimizer import check_inner_optimizer
 from hf_lowzero.zero.params import managed_slots
 
@@ -44,9 +44,10 @@ def check_trainer_flags(trainer: Trainer) -> None:
             "its parameters are DTensors owned by tensor parallelism",
             "Load the model unsharded, or set --zero_stage 0.",
         )
-    allow_untested = args.to_zero_config().allow_untested_optimizer
+    config = args.to_zero_config()
     if trainer.optimizer is not None:  # optimizers=(optimizer, scheduler)
-        check_inner_optimizer(trainer.optimizer, allow_untested)
+        check_inner_optimizer(trainer.optimizer)
+        choose_partition(type(trainer.optimizer), config.partition, config.allow_untested_optimizer)
         managed_slots(trainer.model, trainer.optimizer, world_size=1)  # over this model's trainable params
         return
     if trainer.optimizer_cls_and_kwargs is not None:
@@ -61,9 +62,9 @@ def check_trainer_flags(trainer: Trainer) -> None:
         raise _conflict(
             optim,
             "it builds its optimizer through a factory over the whole model",
-            "Use an element-wise optimizer such as --optim adamw_torch.",
+            "Use an optimizer class, such as --optim adamw_torch.",
         )
     try:
-        check_optimizer_class(cls, allow_untested)
+        choose_partition(cls, config.partition, config.allow_untested_optimizer)
     except ValueError as e:
-        raise ValueError(f"zero_stage>0 conflicts with {optim}: {e} For example --optim adamw_torch_fused.") from e
+        raise ValueError(f"zero_stage>0 conflicts with {optim}: {e}") from e

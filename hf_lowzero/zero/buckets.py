@@ -1,12 +1,14 @@
 """The static bucket plan, flat rank-major bucket layout, and plan-order launching.
 
-A bucket is a fixed group of parameters whose gradients travel in one collective. Its flat buffer
-is ``[W, row_numel]`` row-major: row ``r`` holds rank ``r``'s shard of every parameter in the
-bucket, back to back (``[g0_r0, g1_r0, ..., g0_r1, g1_r1, ...]``), so one reduce-scatter hands
-every rank exactly its rows and one all-reduce serves the whole bucket.
+A bucket is a fixed group of parameters whose gradients travel in one collective. Its packed flat
+buffer is rank-major: chunk ``r`` holds rank ``r``'s piece of every parameter in the bucket, back to
+back (``[g0_r0, g1_r0, ..., g0_r1, g1_r1, ...]``), so one reduce-scatter (or exchange) hands every
+rank exactly its pieces. With row shards every chunk has the same length (``[W, row_numel]``); with
+whole-parameter ownership the bucket's params are ordered by owner, so chunk ``r`` is the owned
+params of rank ``r`` whole, and chunks differ in length (``Bucket.chunks``).
 
-The rows a rank owns are laid out bucket after bucket in one flat "owned rows" space
-(``Bucket.row_offset``); the optimizer's fp32 master rows and the stage-2 gradient rows use it.
+The pieces a rank owns are laid out bucket after bucket in one flat "owned rows" space
+(``Bucket.row_offset``); the optimizer's fp32 master rows and the gradient rows use it.
 
 # [Note: bucket order]
 # Buckets are planned once, identically on every rank, and launched strictly in plan order:
@@ -40,13 +42,20 @@ class Bucket:
     dtype: torch.dtype  # of the params (all params of a bucket share dtype and device)
     device: torch.device
     slots: list[ParamSlot] = field(default_factory=list)
-    row_numel: int = 0
+    chunks: list[int] = field(default_factory=list)  # per rank: elements of its chunk (its pieces)
+    packed_numel: int = 0  # elements of the packed bucket: sum(chunks)
+    row_numel: int = 0  # this rank's chunk: chunks[rank]
     row_offset: int = 0
     state: BucketState = BucketState.WAITING
     pending: int = 0  # params whose gradient has not arrived in this backward
     has_grads: bool = False  # holds reduced gradients since the last step (accumulation)
     work: object = None  # async handle while REDUCING
     scratch: tuple = ()  # tensors a collective in flight writes to or reads from
+
+    @property
+    def whole(self) -> bool:
+        """Its params are owned whole (chunks of any lengths), not in rows (chunks all equal)."""
+        return self.slots[0].shard.whole
 
     @property
     def is_complete(self) -> bool:
@@ -61,34 +70,45 @@ class Bucket:
         self.state = new
 
 
-def plan_buckets(slots: list[ParamSlot], bucket_bytes: int, comm_dtype: torch.dtype | None) -> list[Bucket]:
+def plan_buckets(
+    slots: list[ParamSlot], bucket_bytes: int, comm_dtype: torch.dtype | None, rank: int = 0
+) -> list[Bucket]:
     """Assign params to buckets in reverse registration order (which approximates backward order).
 
     A bucket closes when the next param would push it past ``bucket_bytes`` (padded, in the
     communication dtype) or has another dtype/device; a param bigger than a bucket gets its own.
-    Fills in every slot's ``bucket_index``, ``bucket_offset`` and ``row_offset``.
+    Within a bucket of whole-owned params, params are ordered by owner (stable), so each rank's
+    chunk is contiguous. Fills in every slot's ``bucket_index``, ``bucket_offset``, ``row_offset``
+    and ``row_numel`` for ``rank``; the plan itself is the same on every rank.
     """
     buckets: list[Bucket] = []
-    row_offset = 0
     for slot in reversed(slots):
         p = slot.param
         itemsize = (comm_dtype or p.dtype).itemsize
-        nbytes = slot.shard.padded_numel * itemsize
         last = buckets[-1] if buckets else None
         if (
             last is None
             or last.dtype != p.dtype
             or last.device != p.device
-            or (last.row_numel * slot.shard.world_size * itemsize + nbytes > bucket_bytes)
+            or ((last.packed_numel + slot.shard.padded_numel) * itemsize > bucket_bytes)
         ):
-            last = Bucket(index=len(buckets), dtype=p.dtype, device=p.device, row_offset=row_offset)
+            last = Bucket(index=len(buckets), dtype=p.dtype, device=p.device)
             buckets.append(last)
-        slot.bucket_index = last.index
-        slot.bucket_offset = last.row_numel
-        slot.row_offset = row_offset
         last.slots.append(slot)
-        last.row_numel += slot.shard.shard_numel
-        row_offset += slot.shard.shard_numel
+        last.packed_numel += slot.shard.padded_numel
+    row_offset = 0
+    for bucket in buckets:
+        bucket.slots.sort(key=lambda s: s.shard.owner or 0)  # stable; a no-op for row shards
+        world_size = bucket.slots[0].shard.world_size
+        bucket.chunks = [sum(s.shard.piece_numel(r) for s in bucket.slots) for r in range(world_size)]
+        bucket.row_numel = bucket.chunks[rank]
+        bucket.row_offset = row_offset
+        for slot in bucket.slots:
+            slot.bucket_index = bucket.index
+            slot.row_numel = slot.shard.piece_numel(rank)
+            slot.bucket_offset = row_offset - bucket.row_offset
+            slot.row_offset = row_offset
+            row_offset += slot.row_numel
     return buckets
 
 

@@ -39,11 +39,13 @@ class CommStats:
     payload_bytes: Counter = field(default_factory=Counter)
     sent_bytes: Counter = field(default_factory=Counter)
 
-    def record(self, op: str, payload: int, world_size: int) -> None:
+    def record(self, op: str, payload: int, world_size: int, sent: int | None = None) -> None:
+        """Count one call; ``sent`` overrides the ring formula (point-to-point exchanges of
+        uneven chunks know exactly what this rank sends)."""
         factor = 2 if op == "all_reduce" else 1
         self.calls[op] += 1
         self.payload_bytes[op] += payload
-        self.sent_bytes[op] += factor * payload * (world_size - 1) // world_size
+        self.sent_bytes[op] += factor * payload * (world_size - 1) // world_size if sent is None else sent
 
     def reset(self) -> None:
         self.calls.clear()
@@ -111,11 +113,13 @@ def _exchange(send: list[torch.Tensor], receive: list[torch.Tensor], group: Proc
     """Post, for every peer r != this rank, a send of ``send[r]`` and a receive into ``receive[r]``."""
     rank, ops = group_rank(group), []
     for peer in range(group_size(group)):
-        if peer != rank:
+        if peer != rank:  # empty chunks (uneven exchanges) are skipped on both sides alike
             global_peer = peer if group is None else dist.get_global_rank(group, peer)
-            ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
-            ops.append(dist.P2POp(dist.irecv, receive[peer], global_peer, group))
-    return dist.batch_isend_irecv(ops)
+            if send[peer].numel():
+                ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
+            if receive[peer].numel():
+                ops.append(dist.P2POp(dist.irecv, receive[peer], global_peer, group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def reduce_scatter(
@@ -163,6 +167,80 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     chunks = output.view(world_size, -1)
     pending = _Exchange(_exchange([input] * world_size, list(chunks), group))
     chunks[group_rank(group)].copy_(input)  # local, while the peers' chunks travel
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+# [Note: uneven exchanges]
+# Whole-parameter ownership ([Note: two ways to own a parameter] in partition.py) gives the ranks
+# chunks of different lengths in a bucket, which reduce-scatter and all-gather cannot carry. The
+# gradient goes to its owner and the update comes back as an all-to-all with uneven splits: each
+# rank sends exactly the chunks of its peers (reduce) or its own chunk to each peer (gather), no
+# padding. On gloo these are the same per-peer sends and receives as [Note: gloo point-to-point];
+# elsewhere ``all_to_all_single`` with split sizes. The reduced chunk is summed in rank order.
+
+
+def reduce_to_owners(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    chunks: list[int],
+    group: ProcessGroup | None,
+    async_op: bool = False,
+    workspace: torch.Tensor | None = None,
+):
+    """Sum ``input`` (1D, rank-major chunks of lengths ``chunks``) over ranks; this rank receives
+    its chunk into ``output`` (``chunks[rank]`` long). ``workspace`` (``W * chunks[rank]``
+    elements, allocated when None) receives the peers' chunks and stays untouched until the work is
+    waited for; the sum runs in ``wait()``. See [Note: uneven exchanges]."""
+    world_size, rank = group_size(group), group_rank(group)
+    own = chunks[rank]
+    itemsize = input.element_size()
+    comm_stats.record("reduce_to_owners", _nbytes(input), world_size, sent=(sum(chunks) - own) * itemsize)
+    parts = list(input.split(chunks))
+    received = torch.empty(world_size * own, dtype=input.dtype, device=input.device) if workspace is None else workspace
+    received = received[: world_size * own].view(world_size, own)
+    if uses_point_to_point(group):
+        works = _exchange(parts, list(received), group)
+    else:
+        works = [
+            dist.all_to_all_single(
+                received.view(-1), input, [own] * world_size, list(chunks), group=group, async_op=True
+            )
+        ]
+
+    def rank_order_sum() -> None:
+        rows = [parts[r] if r == rank else received[r] for r in range(world_size)]
+        output.copy_(rows[0])
+        for row in rows[1:]:
+            output.add_(row)
+
+    pending = _Exchange(works, rank_order_sum)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def gather_from_owners(
+    output: torch.Tensor, input: torch.Tensor, chunks: list[int], group: ProcessGroup | None, async_op: bool = False
+):
+    """Concatenate every rank's ``input`` (its chunk, ``chunks[rank]`` long) into ``output`` (1D,
+    rank-major, ``sum(chunks)``). See [Note: uneven exchanges]."""
+    world_size, rank = group_size(group), group_rank(group)
+    comm_stats.record("gather_from_owners", _nbytes(output), world_size, sent=_nbytes(input) * (world_size - 1))
+    parts = list(output.split(chunks))
+    if uses_point_to_point(group):
+        works = _exchange([input] * world_size, parts, group)
+        parts[rank].copy_(input)  # local, while the peers' chunks travel
+    else:  # all_to_all_single delivers this rank's own chunk too
+        works = [
+            dist.all_to_all_single(
+                output, input.repeat(world_size), list(chunks), [input.numel()] * world_size, group=group, async_op=True
+            )
+        ]
+    pending = _Exchange(works)
     if async_op:
         return pending
     pending.wait()

@@ -92,10 +92,16 @@ class ZeroConfig:
     """With ``offload_optimizer`` and CUDA params: page-lock the host buffers, so that copies to
     and from the GPU run asynchronously."""
 
+    partition: str = "auto"
+    """How ranks own optimizer state ([Note: two ways to own a parameter]): ``"rows"`` gives every
+    rank a slice of every tensor (element-wise optimizers only: AdamW, SGD, ...); ``"params"`` gives
+    each tensor whole to one rank, which runs the unmodified optimizer on it (any optimizer: exact by
+    construction); ``"auto"`` picks rows for known element-wise optimizers, params otherwise."""
+
     allow_untested_optimizer: bool = False
-    """Accept an inner optimizer class that is not on the element-wise allow-list. Only set this
-    for optimizers whose update of an element depends on that element alone (not LAMB,
-    Adafactor, Shampoo, Muon): the shard a rank owns is an arbitrary slice of each tensor."""
+    """Vouch that an inner optimizer class not on the element-wise allow-list updates each element
+    from that element alone, so ``partition="auto"`` puts it on row shards (not LAMB, Adafactor,
+    Shampoo, Muon). Without it such an optimizer gets whole-parameter ownership."""
 
     initial_scale: float = 2.0**16
     """fp16 only: starting loss scale (bf16 and fp32 params are never scaled)."""
@@ -138,6 +144,11 @@ class ZeroConfig:
         for name in ("overlap_communication", "offload_optimizer", "pin_memory", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected True or False")
+        if self.partition not in ("auto", "rows", "params"):
+            raise ValueError(
+                f"ZeroConfig.partition={self.partition!r} is invalid; expected 'auto', 'rows' (slices of every "
+                "tensor: element-wise optimizers) or 'params' (whole tensors: any optimizer)"
+            )
         self._check_loss_scaling()
         if self.communication_dtype is not None:
             self.communication_dtype = parse_dtype(self.communication_dtype, "communication_dtype")

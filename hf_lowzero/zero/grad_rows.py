@@ -50,8 +50,8 @@ class DeviceGradRows:
         return self.flat[bucket.row_offset : bucket.row_offset + bucket.row_numel]
 
     def view_of(self, slot: ParamSlot) -> torch.Tensor:
-        """One param's rows (1D, ``shard_numel``); valid for the store's lifetime."""
-        return self.flat[slot.row_offset : slot.row_offset + slot.shard.shard_numel]
+        """One param's piece (1D, ``row_numel``, possibly empty); valid for the store's lifetime."""
+        return self.flat[slot.row_offset : slot.row_offset + slot.row_numel]
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         """Where a collective may write its result itself (saving a copy), or None."""

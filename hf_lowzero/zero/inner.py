@@ -1,9 +1,10 @@
-"""Which inner optimizers are correct on shards.
+"""Which inner optimizers are correct on row shards, and which way of owning state each gets.
 
-A rank owns an arbitrary slice of every parameter, so the inner optimizer must update each element
-from that element's gradient and state alone. Optimizers that look at a whole tensor (factored
-second moments, trust ratios, orthogonalization, line search) would silently compute something
-else on a slice; they are refused.
+With row shards a rank owns an arbitrary slice of every parameter, so the inner optimizer must
+update each element from that element's gradient and state alone. Optimizers that look at a whole
+tensor (factored second moments, trust ratios, orthogonalization, block-wise 8-bit states, line
+search) would silently compute something else on a slice: they get whole-parameter ownership
+(``partition="auto"``) or are refused on rows ([Note: two ways to own a parameter] in partition.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,32 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # (benchmarks/offload.py measures it); used when the user left the kernel choice open.
 FUSED_ON_CPU: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
+PARTITIONS = ("auto", "rows", "params")
+
+
+def choose_partition(cls: type, partition: str, allow_untested: bool) -> str:
+    """``"rows"`` or ``"params"`` for an inner optimizer of class ``cls``.
+
+    ``"auto"`` picks rows for the known element-wise optimizers (and for any other class when
+    ``allow_untested`` vouches that it is element-wise), whole params for everything else.
+    ``"rows"`` refuses a class that is not known to be element-wise; ``"params"`` takes any.
+
+    Example::
+
+        >>> choose_partition(torch.optim.AdamW, "auto", allow_untested=False)
+        'rows'
+        >>> choose_partition(torch.optim.LBFGS, "auto", allow_untested=False)
+        'params'
+    """
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition={partition!r} is invalid; expected one of {PARTITIONS}")
+    if partition == "params":
+        return "params"
+    if partition == "rows":
+        check_optimizer_class(cls, allow_untested)
+        return "rows"
+    whole = any(base.__name__ in WHOLE_TENSOR_OPTIMIZERS for base in cls.__mro__)
+    return "rows" if not whole and (issubclass(cls, ELEMENTWISE_OPTIMIZERS) or allow_untested) else "params"
 
 
 def check_optimizer_class(cls: type, allow_untested: bool) -> None:
@@ -32,14 +59,15 @@ def check_optimizer_class(cls: type, allow_untested: bool) -> None:
     if whole is not None:
         raise ValueError(
             f"{cls.__name__} updates each parameter from the whole tensor ({whole}-style), which is "
-            "wrong on the row shards ZeRO gives each rank. Use an element-wise optimizer "
-            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+            "wrong on the row shards ZeRO gives each rank. Use partition='params' (or 'auto'), which "
+            "gives each tensor whole to one rank, or an element-wise optimizer (AdamW, SGD, ...)."
         )
     if not issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not allow_untested:
         raise ValueError(
             f"{cls.__name__} is not a known element-wise optimizer "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If its update of each "
-            "element depends on that element alone, pass allow_untested_optimizer=True."
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), so it cannot run on row shards. "
+            "Use partition='params' (or 'auto'); or, if its update of each element depends on that "
+            "element alone, pass allow_untested_optimizer=True."
         )
 
 

@@ -7,7 +7,7 @@ inner optimizer then steps them.
 Example::
 
     master = MasterRows(slots, buckets, rank, world_size, group, device, offload=False, pin_memory=True, pool=pool)
-    master.rows[slot.index]        # 1D fp32 view, shard_numel long (padding included)
+    master.rows[slot.index]        # 1D fp32 view of this rank's piece (padding included; may be empty)
     master.copy_to_params()        # all-gather the rows back into every rank's params (collective)
 """
 
@@ -46,8 +46,8 @@ class MasterRows:
             self.flat = host_buffer(total, MASTER_DTYPE, pin_memory and device.type == "cuda")
         else:
             self.flat = torch.zeros(total, dtype=MASTER_DTYPE, device=device)
-        self.rows = [self.flat[s.row_offset : s.row_offset + s.shard.shard_numel] for s in slots]
-        self._unpack_targets = {b.index: unpack_targets(b, world_size) for b in buckets}
+        self.rows = [self.flat[s.row_offset : s.row_offset + s.row_numel] for s in slots]
+        self._unpack_targets = {b.index: unpack_targets(b, world_size) for b in buckets if not b.whole}
         self.copy_from_params()
 
     def bucket_rows(self, bucket: Bucket) -> torch.Tensor:
@@ -71,7 +71,7 @@ class MasterRows:
             with record_function("hf_lowzero::all_gather_wait"):
                 comm.wait(work)  # rows and out stay referenced until here
             with record_function("hf_lowzero::unpack_bucket"):
-                unpack_bucket(bucket, out, self.world_size, self._unpack_targets[bucket.index])
+                unpack_bucket(bucket, out, self.world_size, self._unpack_targets.get(bucket.index))
             self.pool.give(out)
             self._release(bucket, rows)
 
@@ -81,11 +81,15 @@ class MasterRows:
                 rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
             if self.world_size == 1:  # the rows are the whole params: nothing to gather
                 with record_function("hf_lowzero::unpack_bucket"):
-                    unpack_bucket(bucket, rows, 1, self._unpack_targets[bucket.index])
+                    unpack_bucket(bucket, rows, 1, self._unpack_targets.get(bucket.index))
                 self._release(bucket, rows)
                 continue
-            out = self.pool.take(self.world_size * bucket.row_numel, bucket.dtype, bucket.device)
-            in_flight.append((bucket, rows, out, comm.all_gather(out, rows, self.group, async_op=True)))
+            out = self.pool.take(bucket.packed_numel, bucket.dtype, bucket.device)
+            if not bucket.whole:
+                work = comm.all_gather(out, rows, self.group, async_op=True)
+            else:
+                work = comm.gather_from_owners(out, rows, bucket.chunks, self.group, async_op=True)
+            in_flight.append((bucket, rows, out, work))
             if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
                 finish(*in_flight.pop(0))
         for item in in_flight:
@@ -111,12 +115,17 @@ def unpack_targets(bucket: Bucket, world_size: int) -> list[torch.Tensor | None]
 def unpack_bucket(
     bucket: Bucket, gathered: torch.Tensor, world_size: int, targets: list[torch.Tensor | None] | None = None
 ) -> None:
-    """Copy a gathered rank-major bucket (``[W, row_numel]`` flat) into its params.
+    """Copy a gathered rank-major bucket (``packed_numel`` flat) into its params.
 
-    One ``split_with_sizes_copy`` kernel writes every param whose numel divides by W straight into
-    it; a padded param goes through a temporary and drops its padding. ``targets`` is
-    :func:`unpack_targets` of the bucket, built once by the caller.
+    Row shards (``[W, row_numel]``): one ``split_with_sizes_copy`` kernel writes every param whose
+    numel divides by W straight into it; a padded param goes through a temporary and drops its
+    padding. ``targets`` is :func:`unpack_targets` of the bucket, built once by the caller. Whole
+    params: the bucket is the params back to back, one ``split_with_sizes_copy`` into them all.
     """
+    if bucket.whole:
+        sizes = [slot.shard.numel for slot in bucket.slots]
+        torch.split_with_sizes_copy(gathered, sizes, out=[slot.param.view(-1) for slot in bucket.slots])
+        return
     targets = unpack_targets(bucket, world_size) if targets is None else targets
     outs = [
         torch.empty(world_size, slot.shard.shard_numel, dtype=bucket.dtype, device=bucket.device)

@@ -1,4 +1,4 @@
-"""LowLevelZeroOptimizer: ZeRO stage 1 and 2 around any element-wise torch optimizer.
+"""LowLevelZeroOptimizer: ZeRO stage 1 and 2 around any torch optimizer.
 
 Example::
 
@@ -22,7 +22,9 @@ Lifecycle of one step (docs/architecture.md, "The data path of one step"):
    all-gathered (bucketed, in the params' dtype) back into the model's params.
 
 ``opt.param_groups`` hold the model's params; the inner optimizer's hold master rows (see
-[Note: two sets of param groups] in ``groups.py``).
+[Note: two sets of param groups] in ``groups.py``): slices of every param (row shards), or, with
+whole-parameter ownership, the params this rank owns, whole and in their shape ([Note: two ways to
+own a parameter] in ``partition.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
-from hf_lowzero.zero.inner import check_optimizer_class, has_taken_steps, prefer_fused_on_cpu
+from hf_lowzero.zero.inner import choose_partition, has_taken_steps, prefer_fused_on_cpu
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
@@ -65,7 +67,8 @@ _HOOK_DICTS = (
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
     """Shards ``optimizer``'s state (stage 1) and gradients (stage 2) of ``model`` over ranks.
 
-    ``optimizer`` must be a fresh element-wise torch optimizer over ``model``'s trainable params.
+    ``optimizer`` must be a fresh torch optimizer over ``model``'s trainable params. Element-wise
+    ones get row shards, any other whole-parameter ownership (``ZeroConfig.partition``).
     ``param_groups`` hold the model's params (see [Note: two sets of param groups]);
     ``state_dict()`` is torch's format for this rank's shard (see ``shard_state.py``).
 
@@ -82,15 +85,20 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 "LowLevelZeroOptimizer needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first (a world of size 1 works)."
             )
-        check_inner_optimizer(optimizer, self.config.allow_untested_optimizer)
+        check_inner_optimizer(optimizer)
+        self.partition = choose_partition(
+            type(optimizer), self.config.partition, self.config.allow_untested_optimizer
+        )  # "rows" or "params"
         self.optim = optimizer
         self.model = model
         self.process_group = self.config.process_group
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
 
-        self.slots = managed_slots(model, optimizer, self.world_size)
-        self.buckets = plan_buckets(self.slots, self.config.reduce_bucket_bytes, self.config.communication_dtype)
+        self.slots = managed_slots(model, optimizer, self.world_size, whole=self.partition == "params")
+        self.buckets = plan_buckets(
+            self.slots, self.config.reduce_bucket_bytes, self.config.communication_dtype, self.rank
+        )
         self._guard = WrapGuard(self.slots)
         self.device = self.slots[0].param.device
         offload, pin = self.config.offload_optimizer, self.config.pin_memory
@@ -108,15 +116,22 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin, pool
         )
 
-        # Each param's gradient rows: fixed views of the row store, handed to the inner optimizer.
-        self._grad_views = [self.reducer.store.view_of(slot) for slot in self.slots]
+        # Per slot: the tensor the inner optimizer steps (a master row, or an owned param's master
+        # in its shape; None for a param owned elsewhere) and its gradient, fixed views of the stores.
+        self._inner_params = [self._held(slot, self.master.rows[slot.index]) for slot in self.slots]
+        self._grad_views = [self._held(slot, self.reducer.store.view_of(slot)) for slot in self.slots]
         if self.master.flat.device.type == "cpu":
             prefer_fused_on_cpu(optimizer)
         slot_of = {id(slot.param): slot for slot in self.slots}
         self._groups = ParamGroups(optimizer)
         self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
         for group in optimizer.param_groups:
-            group["params"] = [self._to_master_row(optimizer, slot_of[id(p)]) for p in group["params"]]
+            slots = [slot_of[id(p)] for p in group["params"]]
+            group["params"] = [self._adopt(optimizer, s) for s in slots if self._inner_params[s.index] is not None]
+        self._group_sizes = (
+            [len(g["params"]) for g in self._groups.outer],
+            [len(g["params"]) for g in optimizer.param_groups],
+        )
 
         self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
         self.skipped_steps = 0
@@ -141,19 +156,26 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- torch.optim.Optimizer API
 
-    def _to_master_row(self, optimizer: torch.optim.Optimizer, slot) -> torch.Tensor:
-        """The master row that replaces ``slot``'s param in the inner optimizer. State the inner
-        optimizer's constructor created for the param (Adagrad's ``sum``) moves to the row: this
-        rank's slice of each element-wise tensor, as the row slices the param."""
-        row = self.master.rows[slot.index]
+    def _held(self, slot, row: torch.Tensor) -> torch.Tensor | None:
+        """What the inner optimizer sees of ``row`` (this rank's piece of ``slot``): the row itself
+        (row shards), the param's shape (owned whole), or None (owned by another rank)."""
+        if not slot.shard.whole:
+            return row
+        return row.view(slot.param.shape) if slot.row_numel else None
+
+    def _adopt(self, optimizer: torch.optim.Optimizer, slot) -> torch.Tensor:
+        """The master that replaces ``slot``'s param in the inner optimizer. State the inner
+        optimizer's constructor created for the param (Adagrad's ``sum``) moves to it: this rank's
+        slice of each element-wise tensor, as the row slices the param, or the whole of it."""
+        master = self._inner_params[slot.index]
         created = optimizer.state.pop(slot.param, None)
         if created:
-            optimizer.state[row] = {key: self._row_state(value, slot) for key, value in created.items()}
-        return row
+            optimizer.state[master] = {key: self._piece_of(value, slot, master) for key, value in created.items()}
+        return master
 
-    def _row_state(self, value, slot):
+    def _piece_of(self, value, slot, master: torch.Tensor):
         if isinstance(value, torch.Tensor) and value.shape == slot.param.shape:
-            return slot.shard.row_of(value, self.rank).to(self.master.flat)
+            return slot.shard.row_of(value, self.rank).to(self.master.flat).view(master.shape)
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     @property
@@ -169,8 +191,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """The inner optimizer's state of this rank's rows, keyed by the model's params (read view)."""
-        inner = self.optim.state
-        return {s.param: inner[self.master.rows[s.index]] for s in self._slot_at if self.master.rows[s.index] in inner}
+        inner, held = self.optim.state, self._inner_params
+        return {
+            s.param: inner[held[s.index]] for s in self._slot_at if held[s.index] is not None and held[s.index] in inner
+        }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
@@ -184,7 +208,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         inner = self.optim.state
         state = {}
         for pos, slot in enumerate(self._slot_at):
-            entry = inner.get(self.master.rows[slot.index])
+            held = self._inner_params[slot.index]
+            entry = inner.get(held) if held is not None else None
             if entry:
                 state[pos] = dict(entry)
         groups, pos = [], 0
@@ -198,7 +223,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             "world_size": self.world_size,
             "rank": self.rank,
             "stage": self.config.stage,
+            "partition": self.partition,
             "numels": [s.shard.numel for s in self._slot_at],
+            "owners": [s.shard.owner for s in self._slot_at],
             "master_rows": {pos: self.master.rows[s.index] for pos, s in enumerate(self._slot_at)},
             "loss_scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
@@ -213,7 +240,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         them as with any torch optimizer, or call :meth:`copy_master_to_params`).
         """
         own = self.state_dict()[SECTION]
-        error = state_dict_error(state_dict, own | {"group_sizes": [len(g["params"]) for g in self.param_groups]})
+        expected = own | {"group_sizes": [len(g["params"]) for g in self.param_groups]}
+        error = state_dict_error(state_dict, expected)
         if error is None and state_dict[SECTION]["loss_scaler"].get("kind") != own["loss_scaler"]["kind"]:
             error = (
                 f"loss scaler {state_dict[SECTION]['loss_scaler'].get('kind')!r} saved, this optimizer uses "
@@ -227,14 +255,51 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 self.master.rows[slot.index].copy_(zero["master_rows"][pos])
         saved_groups = state_dict["param_groups"]
         hyper = [{k: v for k, v in g.items() if k not in NOT_HYPERPARAMETERS} for g in saved_groups]
-        inner_groups = [dict(h, params=g["params"]) for h, g in zip(hyper, saved_groups)]
-        self.optim.load_state_dict({"state": state_dict["state"], "param_groups": inner_groups})
+        # Positions of the params this rank holds, renumbered as the inner optimizer lists them.
+        held = [pos for pos, s in enumerate(self._slot_at) if self._inner_params[s.index] is not None]
+        inner_pos = {pos: i for i, pos in enumerate(held)}
+        inner_groups = [
+            dict(h, params=[inner_pos[p] for p in g["params"] if p in inner_pos]) for h, g in zip(hyper, saved_groups)
+        ]
+        state = {
+            inner_pos[pos]: {k: self._in_shape(v, self._slot_at[pos]) for k, v in entry.items()}
+            for pos, entry in state_dict["state"].items()
+            if pos in inner_pos
+        }
+        self.optim.load_state_dict({"state": state, "param_groups": inner_groups})
         for group, h in zip(self._groups.outer, hyper):
             group.update(h)
         self._groups.sync()
         self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero["skipped_steps"])
         self.consecutive_skips = int(zero["consecutive_skips"])
+
+    def _in_shape(self, value, slot):
+        """A whole param's element-wise state saved flat (checkpoints store it 1D) in the param's shape."""
+        if (
+            slot.shard.whole
+            and isinstance(value, torch.Tensor)
+            and value.dim() == 1
+            and value.numel() == slot.shard.numel
+        ):
+            return value.view(slot.param.shape)
+        return value
+
+    def train(self) -> None:
+        """Schedule-free optimizers: switch the inner optimizer to its training point and write it
+        into the params (collective). A no-op for optimizers without modes; ``Trainer`` calls it."""
+        self._switch_mode("train")
+
+    def eval(self) -> None:
+        """Schedule-free optimizers: switch the inner optimizer to its evaluation point (the
+        averaged weights) and write it into the params (collective). A no-op without modes."""
+        self._switch_mode("eval")
+
+    def _switch_mode(self, mode: str) -> None:
+        switch = getattr(self.optim, mode, None)
+        if callable(switch):
+            switch()  # moves the masters this rank holds
+            self.copy_master_to_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows;
@@ -339,8 +404,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 if rows is not None:
                     rows.mul_(coef)
         # Params used on no rank get no gradient: no update, no weight decay, no state.
-        for master, grad, used_anywhere in zip(self.master.rows, self._grad_views, used):
-            master.grad = grad if used_anywhere else None
+        for master, grad, used_anywhere in zip(self._inner_params, self._grad_views, used):
+            if master is not None:
+                master.grad = grad if used_anywhere else None
         self._groups.sync()
         with record_function("hf_lowzero::inner_step"):
             self.optim.step()
@@ -364,7 +430,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def _check_group_sizes(self) -> None:
         sizes = [len(g["params"]) for g in self._groups.outer]
-        if sizes != [len(g["params"]) for g in self.optim.param_groups]:
+        if (sizes, [len(g["params"]) for g in self.optim.param_groups]) != self._group_sizes:
             raise RuntimeError(
                 f"opt.param_groups changed shape after wrapping (group sizes now {sizes}); the sharded "
                 "optimizer's params are fixed at construction: edit hyperparameters only"
@@ -449,19 +515,19 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )
 
 
-def check_inner_optimizer(optimizer: object, allow_untested: bool) -> None:
-    """Raise a clear error unless ``optimizer`` is a fresh, element-wise ``torch.optim.Optimizer``.
+def check_inner_optimizer(optimizer: object) -> None:
+    """Raise a clear error unless ``optimizer`` is a fresh ``torch.optim.Optimizer`` (which way it
+    can own state is ``choose_partition``'s question).
 
     Example::
 
-        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), False)
+        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
     """
     cls = type(optimizer)
     if isinstance(optimizer, LowLevelZeroOptimizer):
         raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
-    check_optimizer_class(cls, allow_untested)
     if has_taken_steps(optimizer):
         raise ValueError(
             f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.partition import ParamShard, assign_owners
 
 
 @dataclass(eq=False)
@@ -33,8 +33,9 @@ class ParamSlot:
     param: torch.nn.Parameter
     shard: ParamShard
     bucket_index: int = -1
-    bucket_offset: int = -1  # start of this param's shard inside a bucket row
-    row_offset: int = -1  # start of this param's shard in the owned-rows space
+    bucket_offset: int = -1  # start of this rank's piece inside this rank's chunk of the bucket
+    row_offset: int = -1  # start of this rank's piece in the owned-rows space
+    row_numel: int = -1  # length of this rank's piece (``shard.piece_numel(rank)``)
     wrapped_as: tuple = field(default=(), repr=False)  # (dtype, device, data_ptr) at wrap time
 
     def __post_init__(self) -> None:
@@ -89,8 +90,11 @@ def check_unchanged(slots: list[ParamSlot]) -> None:
         )
 
 
-def managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> list[ParamSlot]:
-    """Validate that ``optimizer`` holds exactly ``model``'s trainable params; one slot each."""
+def managed_slots(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int, whole: bool = False
+) -> list[ParamSlot]:
+    """Validate that ``optimizer`` holds exactly ``model``'s trainable params; one slot each, split
+    in rows or (``whole``) owned whole by one rank each ([Note: two ways to own a parameter])."""
     names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
     in_optimizer: set[int] = set()
     for i, group in enumerate(optimizer.param_groups):
@@ -122,7 +126,8 @@ def managed_slots(model: torch.nn.Module, optimizer: torch.optim.Optimizer, worl
     for n, p in trainable:
         if not p.is_floating_point() or not p.is_contiguous():
             raise ValueError(f"parameter {n!r} must be a contiguous floating-point tensor (got {p.dtype})")
+    owners = assign_owners([p.numel() for _, p in trainable], world_size) if whole else [None] * len(trainable)
     return [
-        ParamSlot(index=i, name=n, param=p, shard=ParamShard(p.numel(), world_size))
-        for i, (n, p) in enumerate(trainable)
+        ParamSlot(index=i, name=n, param=p, shard=ParamShard(p.numel(), world_size, owner))
+        for i, ((n, p), owner) in enumerate(zip(trainable, owners))
     ]

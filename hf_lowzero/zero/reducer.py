@@ -39,9 +39,10 @@ def pack_bucket(bucket: Bucket, flat: torch.Tensor, world_size: int) -> None:
     """Copy every param's ``.grad`` into the rank-major ``flat`` buffer, then free it.
 
     One ``torch._chunk_cat`` kernel (FSDP2's packing op) pads each flattened gradient to a multiple
-    of the world size and lays the W chunks out rank-major, whatever the number of params. A param
-    with no gradient contributes zeros (see [Note: bucket order]). The result is divided by
-    ``world_size`` so that a SUM collective yields the average.
+    of the world size and lays the W chunks out rank-major, whatever the number of params; whole
+    params (ordered by owner) are simply concatenated. A param with no gradient contributes zeros
+    (see [Note: bucket order]). The result is divided by ``world_size`` so that a SUM collective
+    yields the average.
     """
     grads = []
     for slot in bucket.slots:
@@ -50,7 +51,8 @@ def pack_bucket(bucket: Bucket, flat: torch.Tensor, world_size: int) -> None:
             torch.zeros(slot.shard.numel, dtype=bucket.dtype, device=bucket.device) if grad is None else grad.view(-1)
         )
         slot.param.grad = None
-    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=flat.view(world_size, bucket.row_numel))
+    chunks = 1 if bucket.whole else world_size
+    torch._chunk_cat(grads, dim=0, num_chunks=chunks, out=flat.view(chunks, bucket.packed_numel // chunks))
     if world_size > 1:
         flat.div_(world_size)
 
@@ -93,9 +95,15 @@ class BucketReducer:
                 pack_bucket(bucket, out, 1)
             bucket.scratch, bucket.work = (out, taken), None
             return
-        flat = take(self.world_size * bucket.row_numel)
+        flat = take(bucket.packed_numel)
         with record_function("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, flat, self.world_size)
+        if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
+            out = direct if direct is not None else take(bucket.row_numel)
+            workspace = take(self.world_size * bucket.row_numel)
+            bucket.scratch = (out, taken)
+            bucket.work = comm.reduce_to_owners(out, flat, bucket.chunks, self.group, True, workspace)
+            return
         workspace = take(flat.numel()) if self._needs_workspace else None
         if direct is not None:
             out = direct

@@ -7,11 +7,16 @@ format has no place for and an exact restore needs:
 
     {"state": {0: {"step": tensor(3.), "exp_avg": row, "exp_avg_sq": row}, ...},
      "param_groups": [{"lr": 1e-3, ..., "params": [0, 1], "param_names": ["w", "b"]}, ...],
-     "zero": {"format_version": 1, "world_size": 2, "rank": 0, "stage": 2,
-              "numels": [numel of each position], "master_rows": {0: row, ...},
+     "zero": {"format_version": 2, "world_size": 2, "rank": 0, "stage": 2, "partition": "rows",
+              "numels": [numel of each position], "owners": [None, ...],
+              "master_rows": {0: row, ...},
               "loss_scaler": {...}, "skipped_steps": 0, "consecutive_skips": 0}}
 
-A row is 1D fp32 of ``ParamShard(numel, world_size).shard_numel`` elements (padding included).
+A master row is 1D fp32: this rank's piece of the param, ``ParamShard(numel, world_size,
+owner).piece_numel(rank)`` elements (padding included). With row shards (``owners`` all None) every
+element-wise state tensor is such a row; with whole-parameter ownership (``partition="params"``,
+``owners`` the rank of each) ``state`` holds only the owned params, with whatever state tensors the
+inner optimizer keeps, in their own shapes, and the other positions' rows are empty.
 Like ``torch.optim.Optimizer.state_dict()``, the tensors are references to the live state: copy or
 save them before training on.
 """
@@ -25,7 +30,7 @@ import torch
 from hf_lowzero.zero.partition import ParamShard
 
 SECTION = "zero"
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2  # 2 added "partition" and "owners"; 1 (row shards only) still loads
 
 
 def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
@@ -38,8 +43,11 @@ def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
             "optimizer, and sharded checkpoints load with hf_lowzero.load_checkpoint()"
         )
     zero = state_dict[SECTION]
-    if zero.get("format_version") != SHARD_FORMAT_VERSION:
-        return f"unknown shard state format version {zero.get('format_version')!r} (this is {SHARD_FORMAT_VERSION})"
+    if zero.get("format_version") not in (1, SHARD_FORMAT_VERSION):
+        return (
+            f"unknown shard state format version {zero.get('format_version')!r} "
+            f"(this code reads 1 to {SHARD_FORMAT_VERSION})"
+        )
     where = (zero.get("rank"), zero.get("world_size"))
     if where != (expected["rank"], expected["world_size"]):
         return (
@@ -52,17 +60,28 @@ def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
         return f"param group sizes {sizes} differ from this optimizer's {expected['group_sizes']}"
     if list(zero.get("numels", ())) != expected["numels"]:
         return "the parameters' sizes differ from this optimizer's: a state dict of another model"
+    partition, owners = zero.get("partition", "rows"), list(zero.get("owners", [None] * len(expected["numels"])))
+    if (partition, owners) != (expected["partition"], expected["owners"]):
+        return (
+            f"the state dict was saved with partition={partition!r}, this optimizer uses "
+            f"partition={expected['partition']!r} (or another owner plan); load_state_dict() restores the same "
+            "layout. Use hf_lowzero.save_checkpoint()/load_checkpoint() to change it."
+        )
     positions = set(range(len(expected["numels"])))
     if [p for g in state_dict["param_groups"] for p in g["params"]] != sorted(positions):
         return "param_groups must list positions 0..N-1 in order, as torch's state_dict() does"
     masters = zero.get("master_rows", {})
     if set(masters) != positions:
         return f"master rows for positions {sorted(masters)[:5]}..., expected one per position"
-    for pos, numel in enumerate(expected["numels"]):
-        row_numel = ParamShard(numel, expected["world_size"]).shard_numel
+    for pos, (numel, owner) in enumerate(zip(expected["numels"], owners)):
+        row_numel = ParamShard(numel, expected["world_size"], owner).piece_numel(expected["rank"])
         if tuple(masters[pos].shape) != (row_numel,):
             return f"master row {pos} has shape {tuple(masters[pos].shape)}, expected ({row_numel},)"
         for key, value in state_dict["state"].get(pos, {}).items():
+            if owner is not None:  # whole params: the inner optimizer's own state shapes
+                if row_numel == 0:
+                    return f"state {key!r} of position {pos}, which rank {owner} owns, not this rank"
+                continue
             if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != (row_numel,):
                 return f"state {key!r} of position {pos} has shape {tuple(value.shape)}, expected ({row_numel},)"
     if set(state_dict["state"]) - positions:
@@ -70,6 +89,24 @@ def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
     return None
 
 
-def is_row_state(value: Any, shard: ParamShard) -> bool:
-    """An element-wise state tensor (one value per element of the row), as opposed to a scalar."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == shard.shard_numel
+def is_row_state(value: Any, shard: ParamShard, rank: int) -> bool:
+    """An element-wise state tensor: one value per element of ``rank``'s piece (a 1D row, or a whole
+    param's state in any shape of the param's numel), as opposed to a scalar or a tensor of
+    another size (factored moments, block scales, quantization maps: ``is_whole_state``)."""
+    numel = shard.piece_numel(rank)
+    return (
+        isinstance(value, torch.Tensor)
+        and numel > 0
+        and value.numel() == numel
+        and (value.dim() == 1 if not shard.whole else value.dim() >= 1)
+    )
+
+
+def is_whole_state(value: Any, shard: ParamShard, rank: int) -> bool:
+    """A state tensor of a whole-owned param that is neither element-wise nor a scalar."""
+    return (
+        shard.whole
+        and isinstance(value, torch.Tensor)
+        and not is_row_state(value, shard, rank)
+        and not (value.numel() == 1 and value.dim() <= 1)
+    )
