@@ -92,3 +92,25 @@ def prefer_fused_on_cpu(optimizer: torch.optim.Optimizer) -> None:
         open_choice = group.get("fused") is None and group.get("foreach") is None
         if open_choice and not group.get("differentiable") and not group.get("capturable"):
             group["fused"] = True
+
+
+def carry_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> None:
+    """Point bitsandbytes' per-parameter overrides at the masters that replaced the params.
+
+    bitsandbytes optimizers take per-parameter settings from a process-wide manager: registered by
+    module and attribute (``Trainer`` asks for 32-bit states of every ``nn.Embedding`` this way) and
+    resolved at the first step by identity with the tensors in the param groups, then looked up by
+    (group, position). Those tensors are now this rank's masters (``master_of``: id of the model's
+    param -> master), at positions of their own: resolve the overrides for them here, as the first
+    step would have for the model's params. Optimizers of other libraries are left alone.
+    """
+    manager = getattr(optimizer, "mng", None)
+    triples = getattr(manager, "module_weight_config_triple", None)
+    if not triples:
+        return
+    position = {id(p): (g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+    for module, attr, config in triples:
+        master = master_of.get(id(getattr(module, attr, None)))
+        if master is not None and id(master) in position:
+            manager.pid2config[id(master)] = config
+            manager.index2config[position[id(master)]] = config

@@ -46,7 +46,12 @@ from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
-from hf_lowzero.zero.inner import choose_partition, has_taken_steps, prefer_fused_on_cpu
+from hf_lowzero.zero.inner import (
+    carry_bitsandbytes_overrides,
+    choose_partition,
+    has_taken_steps,
+    prefer_fused_on_cpu,
+)
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
@@ -128,6 +133,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             slots = [slot_of[id(p)] for p in group["params"]]
             group["params"] = [self._adopt(optimizer, s) for s in slots if self._inner_params[s.index] is not None]
+        carry_bitsandbytes_overrides(
+            optimizer,
+            {id(s.param): self._inner_params[s.index] for s in self.slots if self._inner_params[s.index] is not None},
+        )
         self._group_sizes = (
             [len(g["params"]) for g in self._groups.outer],
             [len(g["params"]) for g in optimizer.param_groups],

@@ -1,0 +1,118 @@
+"""Every ``--optim`` choice of the plain Trainer trains under ``zero_stage`` 1 and 2 with the plain
+Trainer's numbers (W=2, against DDP with the same optimizer), with its state sharded.
+
+Element-wise optimizers get row shards; the rest (factored, 8-bit/4-bit block-wise, Lion, AdEMAMix,
+schedule-free) whole-parameter ownership ([Note: two ways to own a parameter]). Optimizers from
+optional packages skip, with the reason, when the package is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from hf_lowzero.testing import run_distributed
+from tests.hf_models import TokenDataset, tiny_gpt2
+from tests.trainer_runs import logged, make_args, train
+
+# optim -> the package it needs (None: transformers/torch alone)
+OPTIMS = {
+    "adamw_torch": None,
+    "adamw_torch_fused": None,
+    "sgd": None,
+    "rmsprop": None,
+    "adagrad": None,
+    "adafactor": None,
+    "adamw_torch_4bit": "torchao",
+    "adamw_torch_8bit": "torchao",
+    "adamw_bnb_8bit": "bitsandbytes",
+    "paged_adamw_8bit": "bitsandbytes",
+    "lion_8bit": "bitsandbytes",
+    "lion_32bit": "bitsandbytes",
+    "rmsprop_bnb_8bit": "bitsandbytes",
+    "ademamix": "bitsandbytes",
+    "schedule_free_adamw": "schedulefree",
+    "schedule_free_sgd": "schedulefree",
+}
+ROWS = {"adamw_torch", "adamw_torch_fused", "sgd", "rmsprop", "adagrad"}  # what partition="auto" picks rows for
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every state tensor, the inner tensors of quantized subclasses (torchao) counted."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+            names, _ = t.__tensor_flatten__()
+            return sum(nbytes(getattr(t, n)) for n in names)
+        return t.numel() * t.element_size()
+
+    return sum(nbytes(v) for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+
+
+def run(rank: int, out, optim: str, stage: int):
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        # bitsandbytes keeps per-parameter overrides (Trainer's 32-bit embeddings) process-wide, by
+        # (group, position): start every run clean, as a process running one Trainer does.
+        import bitsandbytes
+
+        bitsandbytes.optim.GlobalOptimManager.get_instance().initialize()
+    # One micro-batch per step, no clipping: both runs see the same gradients bit for bit, so the
+    # optimizers alone are compared. (With accumulation, ZeRO-2 adds micro-batches after reducing
+    # each and DDP before; a last-bit difference in an element whose gradient is near zero becomes
+    # a 1e-5 difference after steps that normalize by |g| (RMSprop, Lion) or quantize the state.
+    # Accumulation and clipping are optimizer-independent: tests/test_accumulation.py, test_grad_norm.py.)
+    args = make_args(
+        out / f"{optim}-{stage}",
+        stage,
+        optim=optim,
+        max_steps=3,
+        warmup_steps=0,
+        learning_rate=1e-2,
+        gradient_accumulation_steps=1,
+        per_device_train_batch_size=4,
+        max_grad_norm=0.0,
+    )
+    model = tiny_gpt2()
+    trainer = train(model, args, eval_dataset=TokenDataset(n=8, seed=7))
+    eval_loss = trainer.evaluate()["eval_loss"]  # schedule-free: evaluated at its averaged weights
+    inner = trainer.zero_optimizer.optim if stage else trainer.optimizer.optimizer
+    params = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+    partition = trainer.zero_optimizer.partition if stage else None
+    return logged(trainer, "loss"), eval_loss, params, state_bytes(inner), partition
+
+
+def body(rank: int, world_size: int, out, optims) -> None:
+    for optim in optims:
+        losses, eval_loss, params, plain_bytes, _ = run(rank, out, optim, 0)
+        for stage in (1, 2):
+            where = f"--optim {optim} zero_stage={stage} rank {rank}"
+            z_losses, z_eval, z_params, z_bytes, partition = run(rank, out, optim, stage)
+            assert partition == ("rows" if optim in ROWS else "params"), where
+            assert len(z_losses) == len(losses) == 3 and all(map(math.isfinite, losses)), where
+            assert z_losses == pytest.approx(losses, rel=1e-5), where
+            assert z_eval == pytest.approx(eval_loss, rel=1e-5), where
+            for name, p in params.items():
+                torch.testing.assert_close(
+                    z_params[name], p, rtol=1e-4, atol=1e-5, msg=lambda m, n=name, w=where: f"{w} {n}: {m}"
+                )
+            if plain_bytes:  # sharded: each rank holds well under the plain optimizer's state
+                assert z_bytes < 0.75 * plain_bytes, (where, z_bytes, plain_bytes)
+
+
+def available(optims):
+    missing = {o: pkg for o, pkg in OPTIMS.items() if o in optims and pkg and importlib.util.find_spec(pkg) is None}
+    return [o for o in optims if o not in missing], missing
+
+
+@pytest.mark.parametrize("optims", [["adamw_torch", "adamw_torch_fused", "sgd", "rmsprop", "adagrad", "adafactor"]])
+def test_torch_and_transformers_optimizers(tmp_path, optims):
+    run_distributed(body, 2, out=tmp_path, optims=optims)
+
+
+@pytest.mark.parametrize("package", ["torchao", "bitsandbytes", "schedulefree"])
+def test_optional_package_optimizers(tmp_path, package):
+    pytest.importorskip(package, reason=f"--optim choices of {package} need it installed (pip install -e .[test])")
+    run_distributed(body, 2, out=tmp_path, optims=[o for o, pkg in OPTIMS.items() if pkg == package])
