@@ -27,13 +27,14 @@ def usage(rank: int, step: int, micro: int) -> tuple[bool, bool]:
     return use_a, micro == 0
 
 
-def accumulate_body(rank: int, world_size: int, stage: int, ref_no_sync: bool) -> None:
+def accumulate_body(rank: int, world_size: int, stage: int, ref_no_sync: bool, partition: str = "rows") -> None:
     model = BranchyNet()
     ref = ddp_reference(model)
     ref_opt = make_inner("adamw", ref.module)
     opt = LowLevelZeroOptimizer(
-        model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001, clip_grad_norm=0.5
+        model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001, clip_grad_norm=0.5, partition=partition
     )
+    reduce = "reduce_scatter" if partition == "rows" else "reduce_to_owners"
     n_buckets = len(opt.buckets)
     for step in range(3):
         comm_stats.reset()
@@ -50,22 +51,23 @@ def accumulate_body(rank: int, world_size: int, stage: int, ref_no_sync: bool) -
             with ref_local:
                 (mse_loss(ref(x, use_a, use_b), y) / MICRO).backward()
         if stage == 1:  # one reduce-scatter per bucket per step: the minimum traffic
-            assert comm_stats.calls["reduce_scatter"] == n_buckets
+            assert comm_stats.calls[reduce] == n_buckets
         else:
-            assert comm_stats.calls["reduce_scatter"] == MICRO * n_buckets  # every micro-batch
+            assert comm_stats.calls[reduce] == MICRO * n_buckets  # every micro-batch
         opt.step()
         opt.zero_grad()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
         assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
-        assert_params_equal(model, ref.module, f"stage {stage} step {step}")
+        assert_params_equal(model, ref.module, f"stage {stage} {partition} step {step}")
 
 
 def all_accumulation_cases(rank: int, world_size: int) -> None:
     for stage in (1, 2):
         for ref_no_sync in (True, False):  # all used / used in an earlier micro-batch only
             accumulate_body(rank, world_size, stage, ref_no_sync)
+        accumulate_body(rank, world_size, stage, False, partition="params")
     synced_micro_batches_body(rank, world_size)
 
 

@@ -27,10 +27,20 @@ from hf_lowzero import (
 from hf_lowzero.checkpoint.layout import CHECKSUM_CHUNK_NUMEL, EXTRAS_FILE, checksum_error, chunk_checksums, chunk_span
 from hf_lowzero.consolidate import main as consolidate_cli
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.zero.comm import all_gather_object
 from tests.models import BranchyNet, assert_params_equal, ddp_reference, make_inner
 
 GLOBAL_BATCH = 12  # divisible by every world size we use, so each step sees the same global batch
-COMBOS = [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16), (2, torch.float16)]
+# stage, params' dtype, inner optimizer, partition saved with, partition loaded into
+COMBOS = [
+    (1, torch.float32, "adamw", "rows", "rows"),
+    (2, torch.float32, "adamw", "rows", "rows"),
+    (1, torch.bfloat16, "adamw", "rows", "rows"),
+    (2, torch.float16, "adamw", "rows", "rows"),
+    (2, torch.float32, "adafactor", "params", "params"),  # factored state: saved and loaded whole
+    (1, torch.bfloat16, "adamw", "params", "rows"),  # element-wise state moves between the layouts
+    (2, torch.float16, "adamw", "rows", "params"),
+]
 BEFORE, AFTER = 3, 3  # steps before the checkpoint, steps after it
 
 
@@ -41,12 +51,15 @@ def global_batch(rank: int, world_size: int, step: int, dtype: torch.dtype):
     return x[rank * chunk : (rank + 1) * chunk].to(dtype), y[rank * chunk : (rank + 1) * chunk].to(dtype)
 
 
-def build(stage: int, dtype: torch.dtype, seed: int = 0):
+def build(stage: int, dtype: torch.dtype, seed: int = 0, inner: str = "adamw", partition: str = "rows"):
     model = BranchyNet(seed).to(dtype)
     # fp16: a scale that does not overflow by itself (whether a borderline scale overflows depends
     # on rounding, so on the world size), growing every 2 clean steps, so the scaler state changes.
     fp16 = {"initial_scale": 2.0**10, "growth_interval": 2} if dtype is torch.float16 else {}
-    return model, LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001, **fp16)
+    opt = LowLevelZeroOptimizer(
+        model, make_inner(inner, model), stage=stage, reduce_bucket_mb=0.001, partition=partition, **fp16
+    )
+    return model, opt
 
 
 def overflow_once(model: nn.Module, rank: int) -> None:
@@ -68,14 +81,17 @@ def train(model, opt, rank, world_size, steps, dtype):
 
 
 def counters(opt) -> dict:
-    steps = sorted({float(s["step"]) for s in opt.state.values() if "step" in s})
+    """Loss scale, skips, and the step counts of the inner optimizer's state on any rank (with whole
+    params each rank holds only its own)."""
+    local = {float(s["step"]) for s in opt.state.values() if "step" in s}
+    steps = sorted(set().union(*all_gather_object(local, None)))
     return {"loss_scale": opt.loss_scale, "skipped": opt.skipped_steps, "adam_steps": steps}
 
 
 def save_then_continue(rank, world_size, tmp):
-    for stage, dtype in COMBOS:
-        tag = f"{stage}-{dtype}"
-        model, opt = build(stage, dtype)
+    for stage, dtype, inner, saved_partition, _ in COMBOS:
+        tag = f"{stage}-{dtype}-{inner}-{saved_partition}"
+        model, opt = build(stage, dtype, inner=inner, partition=saved_partition)
         overflow_once(model, rank)
         train(model, opt, rank, world_size, range(BEFORE), dtype)
         save_checkpoint(opt, f"{tmp}/ckpt-{tag}")
@@ -88,9 +104,10 @@ def save_then_continue(rank, world_size, tmp):
 
 
 def load_then_continue(rank, world_size, tmp):
-    for stage, dtype in COMBOS:
-        tag = f"{stage}-{dtype}"
-        model, opt = build(stage, dtype, seed=7)  # different init: everything must come from the checkpoint
+    for stage, dtype, inner, saved_partition, partition in COMBOS:
+        tag = f"{stage}-{dtype}-{inner}-{saved_partition}"
+        # a different init: everything must come from the checkpoint
+        model, opt = build(stage, dtype, seed=7, inner=inner, partition=partition)
         load_checkpoint(opt, f"{tmp}/ckpt-{tag}")
         saved = consolidate_checkpoint(f"{tmp}/ckpt-{tag}")
         for name, p in model.named_parameters():
@@ -110,7 +127,7 @@ def load_then_continue(rank, world_size, tmp):
 def test_resume_at_another_world_size_continues_like_the_uninterrupted_run(tmp_path, saved_ws, loaded_ws):
     run_distributed(save_then_continue, saved_ws, tmp=str(tmp_path))
     if saved_ws == 2:  # one checkpoint per rank plus metadata and the unsharded extras, nothing pickled
-        names = sorted(os.listdir(tmp_path / "ckpt-1-torch.float32"))
+        names = sorted(os.listdir(tmp_path / "ckpt-1-torch.float32-adamw-rows"))
         assert names == [
             "zero_meta.json",
             "zero_model_extras.safetensors",
@@ -286,11 +303,11 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
         assert torch.equal(weights[name], value), name
 
 
-def export_body(rank, world_size, tmp):
+def export_body(rank, world_size, tmp, partition="rows"):
     model = BranchyNet()
     ref = ddp_reference(model)
     ref_opt = make_inner("adamw", ref.module)
-    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=2, reduce_bucket_mb=0.001)
+    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=2, reduce_bucket_mb=0.001, partition=partition)
     for step in range(3):
         x, y = global_batch(rank, world_size, step, torch.float32)
         opt.backward(mse_loss(model(x), y))
@@ -299,6 +316,8 @@ def export_body(rank, world_size, tmp):
         ref_opt.step()
         ref_opt.zero_grad()
     full = full_state_dict(opt)
+    if partition == "params":  # the owners' state, gathered on rank 0 (the files: the rows run's)
+        tmp = f"{tmp}/params"
     save_checkpoint(opt, f"{tmp}/ckpt")
     save_checkpoint(opt, f"{tmp}/ckpt-trainable-only", model_extras=False)  # as the Trainer saves
     if rank == 0:
@@ -317,6 +336,7 @@ def export_body(rank, world_size, tmp):
 
 
 def test_full_state_dict_and_consolidation(tmp_path):
+    run_distributed(export_body, 3, tmp=str(tmp_path), partition="params")
     run_distributed(export_body, 3, tmp=str(tmp_path))
     out = tmp_path / "pretrained"
     subprocess.run([sys.executable, "-m", "hf_lowzero.consolidate", str(tmp_path / "ckpt"), str(out)], check=True)

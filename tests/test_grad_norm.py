@@ -31,24 +31,29 @@ def averaged_true_norm(local: torch.nn.Module) -> float:
     return (flat / dist.get_world_size()).norm().item()
 
 
-NORM_CASES = [  # stage, offload, params' dtype
-    (1, False, torch.float32),
-    (2, False, torch.float32),
-    (2, True, torch.float32),
-    (1, False, torch.bfloat16),
-    (2, True, torch.bfloat16),
-    (2, False, torch.float16),
-    (1, True, torch.float16),
+NORM_CASES = [  # stage, offload, params' dtype, partition
+    (1, False, torch.float32, "rows"),
+    (2, False, torch.float32, "rows"),
+    (2, True, torch.float32, "rows"),
+    (1, False, torch.bfloat16, "rows"),
+    (2, True, torch.bfloat16, "rows"),
+    (2, False, torch.float16, "rows"),
+    (1, True, torch.float16, "rows"),
+    (2, True, torch.bfloat16, "params"),
+    (1, False, torch.float16, "params"),
+    (2, False, torch.float32, "params"),
 ]
 
 
 def norm_body(rank, world_size):
-    for stage, offload, dtype in NORM_CASES:
+    for stage, offload, dtype, partition in NORM_CASES:
         model = long_rows_model(dtype)
         local = copy.deepcopy(model)  # the same backward, without ZeRO
         knobs = {"communication_dtype": "fp32", "initial_scale": 1.0}  # exact sums; fp16 loss unscaled
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        opt = LowLevelZeroOptimizer(model, inner, stage=stage, clip_grad_norm=1.0, offload_optimizer=offload, **knobs)
+        opt = LowLevelZeroOptimizer(
+            model, inner, stage=stage, clip_grad_norm=1.0, offload_optimizer=offload, partition=partition, **knobs
+        )
         g = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, VOCAB, (64,), generator=g)
         factor = 1.0 if dtype is torch.float16 else 1e3  # norms far from 1 where the range allows
@@ -56,7 +61,7 @@ def norm_body(rank, world_size):
             logits = m(tokens).float()
             backward(torch.nn.functional.cross_entropy(logits, tokens.roll(1)) * factor)
         expected = averaged_true_norm(local)
-        where = f"stage {stage}, offload {offload}, {dtype}, W={world_size}"
+        where = f"stage {stage}, offload {offload}, {dtype}, {partition}, W={world_size}"
         assert opt.grad_norm() == pytest.approx(expected, rel=1e-6, abs=0), where
         assert opt.step() is True, where
         assert opt.last_grad_norm == pytest.approx(expected, rel=1e-6, abs=0), where

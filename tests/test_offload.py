@@ -18,15 +18,16 @@ from hf_lowzero.zero.grad_rows import HostGradRows
 from tests.models import BranchyNet, batch, make_inner
 
 MICRO = 2
-CASES = [  # stage, dtype, inner, clip
-    (1, torch.float32, "adamw", 0.05),
-    (2, torch.float32, "sgd", 0.0),
-    (2, torch.bfloat16, "adamw", 0.5),
-    (1, torch.float16, "adamw", 0.0),
+CASES = [  # stage, dtype, inner, clip, partition
+    (1, torch.float32, "adamw", 0.05, "rows"),
+    (2, torch.float32, "sgd", 0.0, "rows"),
+    (2, torch.bfloat16, "adamw", 0.5, "rows"),
+    (1, torch.float16, "adamw", 0.0, "rows"),
+    (2, torch.bfloat16, "adafactor", 0.5, "params"),
 ]
 
 
-def build(stage, dtype, inner, clip, offload, seed=0):
+def build(stage, dtype, inner, clip, offload, seed=0, partition="rows"):
     model = BranchyNet(seed).to(dtype)
     fp16 = {"initial_scale": 2.0**10} if dtype is torch.float16 else {}
     opt = LowLevelZeroOptimizer(
@@ -36,6 +37,7 @@ def build(stage, dtype, inner, clip, offload, seed=0):
         clip_grad_norm=clip,
         reduce_bucket_mb=0.001,
         offload_optimizer=offload,
+        partition=partition,
         **fp16,
     )
     return model, opt
@@ -57,9 +59,9 @@ def params_of(model):
 
 
 def parity_body(rank, world_size, tmp):
-    for stage, dtype, inner, clip in CASES:
-        where = f"stage {stage} {dtype} {inner} clip {clip}"
-        runs = {offload: build(stage, dtype, inner, clip, offload) for offload in (False, True)}
+    for stage, dtype, inner, clip, partition in CASES:
+        where = f"stage {stage} {dtype} {inner} clip {clip} {partition}"
+        runs = {offload: build(stage, dtype, inner, clip, offload, partition=partition) for offload in (False, True)}
         offloaded = runs[True][1]
         assert isinstance(offloaded.reducer.store, HostGradRows) and offloaded.master.flat.device.type == "cpu"
         for step in range(4):
@@ -76,14 +78,15 @@ def parity_body(rank, world_size, tmp):
         assert sum(report.by_device.values()) == held
 
         # Checkpoints are interchangeable: saved with offload, loaded without (and back).
-        save_checkpoint(offloaded, f"{tmp}/{stage}-{dtype}-offload")
-        save_checkpoint(runs[False][1], f"{tmp}/{stage}-{dtype}-device")
+        tag = f"{tmp}/{stage}-{dtype}-{inner}"
+        save_checkpoint(offloaded, f"{tag}-offload")
+        save_checkpoint(runs[False][1], f"{tag}-device")
         swapped = {
-            False: build(stage, dtype, inner, clip, False, seed=4),
-            True: build(stage, dtype, inner, clip, True, 4),
+            False: build(stage, dtype, inner, clip, False, seed=4, partition=partition),
+            True: build(stage, dtype, inner, clip, True, 4, partition=partition),
         }
-        load_checkpoint(swapped[False][1], f"{tmp}/{stage}-{dtype}-offload")
-        load_checkpoint(swapped[True][1], f"{tmp}/{stage}-{dtype}-device")
+        load_checkpoint(swapped[False][1], f"{tag}-offload")
+        load_checkpoint(swapped[True][1], f"{tag}-device")
         for step in range(4, 6):
             for model, opt in list(runs.values()) + list(swapped.values()):
                 train_step(model, opt, rank, step, dtype)
@@ -98,7 +101,7 @@ def test_offload_is_bit_identical_to_no_offload(tmp_path, world_size):
 
 
 def reshard_body(rank, world_size, tmp, phase):
-    stage, dtype, inner, clip = CASES[2]
+    stage, dtype, inner, clip, _ = CASES[2]
     if phase == "save":
         model, opt = build(stage, dtype, inner, clip, offload=True)
         for step in range(3):

@@ -49,7 +49,7 @@ def consolidate_checkpoint(
     full = OrderedDict()
     for name, saved in meta["params"].items():
         flat = torch.empty(saved["numel"], dtype=torch.float32)
-        read_row(reader, master_key(name), saved["numel"], ParamShard(saved["numel"], 1), 0, flat)
+        read_row(reader, master_key(name), saved["numel"], ParamShard(saved["numel"], 1), 0, flat, saved.get("owner"))
         full[name] = flat.view(saved["shape"])
     for name, info in meta.get("extras", {}).items():
         full[name] = reader.read(EXTRAS_FILE, extra_key(name), info["shape"])
@@ -88,7 +88,15 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:
     """
     view = ShardView.of(opt)
     state: dict[int, dict[str, Any]] = {}
+    owned: dict[int, dict[str, Any]] = {}  # whole params this rank owns: their state as it is
     for pos, shard in enumerate(view.shards):
+        if shard.whole:
+            entry = view.state_dict["state"].get(pos)
+            if entry and shard.owner == view.rank:
+                owned[pos] = {
+                    k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+                }
+            continue
         rows = view.row_state(pos)
         entry = dict(view.scalar_state(pos))
         for key in sorted(rows):
@@ -98,6 +106,11 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:
             entry[key] = out[: shard.numel].view(view.params[pos].shape).cpu()
         if entry:
             state[pos] = entry
+    if any(shard.whole for shard in view.shards):
+        parts = comm.gather_object(owned, view.process_group)  # on rank 0 only
+        for part in parts or ():
+            state.update(part)
+        state = dict(sorted(state.items()))
     if view.rank != 0:
         return None
     groups = [{k: v for k, v in g.items()} for g in view.state_dict["param_groups"]]

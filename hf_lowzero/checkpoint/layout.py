@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 FORMAT = "hf_lowzero.zero"
-FORMAT_VERSION = 2  # 2: per-chunk checksums of every tensor ([Note: checksums]); 1 had none
+FORMAT_VERSION = 3  # 3: whole-parameter ownership (owners, whole and packed state); 2: checksums; 1: neither
 META_FILE = "zero_meta.json"
 EXTRAS_FILE = "zero_model_extras.safetensors"
 TRAINER_SUBDIR = "zero_optimizer"  # the sharded optimizer inside a Trainer checkpoint-N folder
@@ -94,7 +94,7 @@ def format_error(meta: Any) -> str | None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return "not an hf_lowzero checkpoint metadata file"
     version = meta.get("format_version")
-    if version in (1, FORMAT_VERSION):  # 1: the same layout without checksums, read unverified
+    if version in (1, 2, FORMAT_VERSION):  # 1: without checksums, read unverified; 1-2: row shards only
         return None
     return (
         f"unknown format version {version!r}; this hf_lowzero reads versions 1 to {FORMAT_VERSION}. "

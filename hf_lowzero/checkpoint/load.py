@@ -22,9 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE, extra_key, master_key, state_key
+from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE, extra_key, master_key, rank_file_name, state_key
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
-from hf_lowzero.checkpoint.shards import CheckpointError, ShardView, scalar_from_json, unsharded_state
+from hf_lowzero.checkpoint.shards import (
+    CheckpointError,
+    ShardView,
+    attributes_from_json,
+    packed_class,
+    scalar_from_json,
+    unsharded_state,
+)
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.shard_state import SECTION
 
@@ -94,21 +101,54 @@ def _check_compatible(view: ShardView, extras: dict, meta: dict[str, Any], where
         )
 
 
+def _whole_state(reader: ShardReader, name: str, saved: dict[str, Any], shard, param) -> dict[str, Any]:
+    """The non-element-wise state of a param saved whole (factored moments, block scales, packed
+    8-bit/4-bit states), read from its saved owner's file; only a whole-owned param can take it."""
+    whole, packed = saved.get("whole_state", {}), saved.get("packed_state", {})
+    if not (whole or packed):
+        return {}
+    if not shard.whole:
+        key = next(iter(whole or packed))
+        raise CheckpointError(
+            f"{reader.path}: optimizer state {key!r} of {name!r} is not element-wise (saved whole by rank "
+            f"{saved['owner']}), so it cannot be split into row shards; load it with partition='params' "
+            "(or 'auto', which picks it for this optimizer)"
+        )
+    file = rank_file_name(saved["owner"], reader.saved_world_size)
+    entry = {key: reader.read(file, state_key(name, key), info["shape"]) for key, info in whole.items()}
+    for key, info in packed.items():
+        try:
+            cls = packed_class(info["class"])
+        except (ImportError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{reader.path}: optimizer state {key!r} of {name!r}: {e}") from e
+        inner = {
+            attr: reader.read(file, state_key(name, f"{key}.{attr}"), spec["shape"])
+            for attr, spec in info["inner"].items()
+        }
+        entry[key] = cls.__tensor_unflatten__(inner, attributes_from_json(info["attributes"]), param.shape, None)
+    return entry
+
+
 def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, Any]):
     """This rank's shard as a state dict for ``opt.load_state_dict``, read into new tensors, and
     the model's extras; nothing of the optimizer or model is touched."""
     masters, state = {}, {}
     for pos, name in enumerate(view.names):
         saved, shard = meta["params"][name], view.shards[pos]
+        owner = saved.get("owner")  # None: saved in rows
+        piece = shard.piece_numel(view.rank)
         template = view.zero["master_rows"][pos]
-        masters[pos] = torch.zeros(shard.shard_numel, dtype=template.dtype, device=template.device)
-        read_row(reader, master_key(name), saved["numel"], shard, view.rank, masters[pos])
-        if not saved["has_state"]:
+        masters[pos] = torch.zeros(piece, dtype=template.dtype, device=template.device)
+        read_row(reader, master_key(name), saved["numel"], shard, view.rank, masters[pos], owner)
+        if not saved["has_state"] or piece == 0:
             continue
         entry = {k: scalar_from_json(v) for k, v in saved["scalar_state"].items()}
+        dtypes = saved.get("row_state_dtypes", {})
         for key in saved["row_state"]:
-            entry[key] = torch.zeros(shard.shard_numel, dtype=torch.float32)  # load_state_dict casts/moves
-            read_row(reader, state_key(name, key), saved["numel"], shard, view.rank, entry[key])
+            # the saved dtype (bitsandbytes keeps uint8 states); load_state_dict casts and moves
+            entry[key] = torch.zeros(piece, dtype=getattr(torch, dtypes.get(key, "float32")))
+            read_row(reader, state_key(name, key), saved["numel"], shard, view.rank, entry[key], owner)
+        entry |= _whole_state(reader, name, saved, shard, view.params[pos])
         state[pos] = entry
     groups = []
     for g_meta, live in zip(meta["param_groups"], view.state_dict["param_groups"]):

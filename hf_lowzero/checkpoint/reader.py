@@ -109,15 +109,23 @@ class ShardReader:
         return sorted(self._open)
 
 
-def read_row(reader: ShardReader, key: str, numel: int, new: ParamShard, rank: int, out: torch.Tensor) -> None:
-    """Fill ``out`` (this rank's new row, padding zero) from the saved ranks whose rows overlap it."""
+def read_row(
+    reader: ShardReader,
+    key: str,
+    numel: int,
+    new: ParamShard,
+    rank: int,
+    out: torch.Tensor,
+    saved_owner: int | None = None,
+) -> None:
+    """Fill ``out`` (this rank's new piece, padding zero) from the saved ranks whose pieces overlap
+    it: rows of every saved rank, or the whole tensor from its saved owner (``saved_owner``)."""
     start, end = new.owned_range(rank)
-    old = ParamShard(numel, reader.saved_world_size)
-    first = start // old.shard_numel
-    for old_rank in range(first, reader.saved_world_size):
+    if start >= end:
+        return
+    old = ParamShard(numel, reader.saved_world_size, saved_owner)
+    for old_rank in range(reader.saved_world_size):
         old_start, old_end = old.owned_range(old_rank)
-        if old_start >= end:
-            break
         lo, hi = max(start, old_start), min(end, old_end)
         if lo < hi:
             name = rank_file_name(old_rank, reader.saved_world_size)

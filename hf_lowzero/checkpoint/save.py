@@ -31,7 +31,13 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
     state_key,
 )
-from hf_lowzero.checkpoint.shards import ShardView, atomic_write, scalar_to_json, unsharded_state
+from hf_lowzero.checkpoint.shards import (
+    ShardView,
+    atomic_write,
+    attributes_to_json,
+    scalar_to_json,
+    unsharded_state,
+)
 from hf_lowzero.zero import comm
 
 if TYPE_CHECKING:
@@ -65,20 +71,33 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     if view.rank == 0 and model_extras:
         tensors = {extra_key(name): t.detach().cpu().clone() for name, t in extras.items()}
         _write_tensors(partial / EXTRAS_FILE, tensors)
-    tensors = {}
+    tensors, records = {}, {}
     for pos, name in enumerate(view.names):
-        owned = view.shards[pos].owned_numel(view.rank)
+        shard = view.shards[pos]
+        owned = shard.owned_numel(view.rank)
+        if shard.whole and not owned:
+            continue  # another rank owns this param whole and writes it
         tensors[master_key(name)] = view.zero["master_rows"][pos][:owned].cpu().clone()
         for key, value in view.row_state(pos).items():
             tensors[state_key(name, key)] = value[:owned].cpu().clone()
+        for key, value in view.whole_state(pos).items():
+            tensors[state_key(name, key)] = value.detach().cpu().clone()
+        for key, value in view.packed_state(pos).items():
+            attrs, _ = value.__tensor_flatten__()
+            for attr in attrs:
+                tensors[state_key(name, f"{key}.{attr}")] = getattr(value, attr).detach().cpu().clone()
+        records[name] = _state_record(view, pos)
     own_file = partial / rank_file_name(view.rank, view.world_size)
     _write_tensors(own_file, tensors)
     if os.environ.get(CRASH_POINT_ENV) == "after_rank_files":
         os._exit(17)
 
-    sizes = comm.all_gather_object(own_file.stat().st_size, group)
+    # Each param's state is described by a rank that holds it (whole params: only their owner).
+    gathered = comm.all_gather_object((own_file.stat().st_size, records), group)
     if view.rank == 0:
-        meta = _metadata(view, extras, model_extras, sizes, partial)
+        sizes = [size for size, _ in gathered]
+        described = {name: record for _, ranks_records in gathered for name, record in ranks_records.items()}
+        meta = _metadata(view, described, extras, model_extras, sizes, partial)
         atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
     comm.barrier(group)
     if view.rank == 0:
@@ -90,19 +109,41 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     return path
 
 
-def _metadata(view: ShardView, extras, stored: bool, sizes: list[int], partial: Path) -> dict[str, Any]:
-    params = {}
-    for pos, name in enumerate(view.names):
-        p = view.params[pos]
-        scalars = view.scalar_state(pos)
-        params[name] = {
-            "shape": list(p.shape),
-            "numel": p.numel(),
-            "dtype": _dtype_name(p),
-            "has_state": pos in view.state_dict["state"],
-            "row_state": sorted(view.row_state(pos)),
-            "scalar_state": {k: scalar_to_json(v) for k, v in scalars.items()},
-        }
+def _state_record(view: ShardView, pos: int) -> dict[str, Any]:
+    """What a loader needs to know of param ``pos``'s optimizer state, from a rank that holds it."""
+    p = view.params[pos]
+    rows = view.row_state(pos)
+    record = {
+        "shape": list(p.shape),
+        "numel": p.numel(),
+        "dtype": _dtype_name(p),
+        "owner": view.shards[pos].owner,
+        "has_state": pos in view.state_dict["state"],
+        "row_state": sorted(rows),
+        "row_state_dtypes": {k: _dtype_name(v) for k, v in rows.items()},
+        "scalar_state": {k: scalar_to_json(v) for k, v in view.scalar_state(pos).items()},
+    }
+    whole = view.whole_state(pos)
+    if whole:
+        record["whole_state"] = {k: {"shape": list(v.shape), "dtype": _dtype_name(v)} for k, v in whole.items()}
+    packed = view.packed_state(pos)
+    if packed:
+        record["packed_state"] = {}
+        for key, value in packed.items():
+            attrs, context = value.__tensor_flatten__()
+            inner = {a: getattr(value, a) for a in attrs}
+            record["packed_state"][key] = {
+                "class": f"{type(value).__module__}:{type(value).__qualname__}",
+                "attributes": attributes_to_json(context),
+                "inner": {a: {"shape": list(t.shape), "dtype": _dtype_name(t)} for a, t in inner.items()},
+            }
+    return record
+
+
+def _metadata(
+    view: ShardView, described: dict[str, Any], extras, stored: bool, sizes: list[int], partial: Path
+) -> dict[str, Any]:
+    params = {name: described[name] for name in view.names}
     groups = [
         {
             "hyperparameters": {k: scalar_to_json(v) for k, v in g.items() if k not in ("params", "param_names")},
@@ -114,6 +155,7 @@ def _metadata(view: ShardView, extras, stored: bool, sizes: list[int], partial: 
         **format_header(),
         "world_size": view.world_size,
         "stage": view.zero["stage"],
+        "partition": view.zero.get("partition", "rows"),
         "params": params,
         # frozen params and persistent buffers: stored in EXTRAS_FILE, or left to the model's own save
         "extras" if stored else "external": {

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from hf_lowzero.zero.params import canonical_name
 from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.shard_state import SECTION, is_row_state
+from hf_lowzero.zero.shard_state import SECTION, is_row_state, is_whole_state
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
@@ -45,11 +46,12 @@ class ShardView:
     def of(cls, opt: LowLevelZeroOptimizer) -> ShardView:
         sd = opt.state_dict()
         params = [p for g in opt.param_groups for p in g["params"]]
+        owners = sd[SECTION].get("owners") or [None] * len(params)
         return cls(
             state_dict=sd,
             names=[n for g in sd["param_groups"] for n in g["param_names"]],
             params=params,
-            shards=[ParamShard(p.numel(), opt.world_size) for p in params],
+            shards=[ParamShard(p.numel(), opt.world_size, owner) for p, owner in zip(params, owners)],
             world_size=opt.world_size,
             rank=opt.rank,
             process_group=opt.process_group,
@@ -59,13 +61,81 @@ class ShardView:
     def zero(self) -> dict[str, Any]:
         return self.state_dict[SECTION]
 
-    def row_state(self, pos: int) -> dict[str, torch.Tensor]:
+    def _kinds(self, pos: int) -> dict[str, str]:
+        """Each state entry of ``pos``: "packed" (a tensor subclass such as torchao's quantized
+        states), "row" (element-wise: one value per element of this rank's piece), "whole" (any
+        other tensor of a whole-owned param) or "scalar"."""
+        shard, kinds = self.shards[pos], {}
+        for key, value in self.state_dict["state"].get(pos, {}).items():
+            if is_packed(value):
+                kinds[key] = "packed"
+            elif is_row_state(value, shard, self.rank):
+                kinds[key] = "row"
+            elif is_whole_state(value, shard, self.rank):
+                kinds[key] = "whole"
+            else:
+                kinds[key] = "scalar"
+        return kinds
+
+    def _of_kind(self, pos: int, kind: str) -> dict[str, Any]:
         state = self.state_dict["state"].get(pos, {})
-        return {k: v for k, v in state.items() if is_row_state(v, self.shards[pos], self.rank)}
+        return {k: state[k] for k, found in self._kinds(pos).items() if found == kind}
+
+    def row_state(self, pos: int) -> dict[str, torch.Tensor]:
+        """Element-wise state tensors, flattened (1D, this rank's piece)."""
+        return {k: v.reshape(-1) for k, v in self._of_kind(pos, "row").items()}
+
+    def whole_state(self, pos: int) -> dict[str, torch.Tensor]:
+        """State tensors of a whole-owned param that are not element-wise (factored moments,
+        block scales, quantization maps), in their own shapes."""
+        return self._of_kind(pos, "whole")
+
+    def packed_state(self, pos: int) -> dict[str, torch.Tensor]:
+        return self._of_kind(pos, "packed")
 
     def scalar_state(self, pos: int) -> dict[str, Any]:
-        state = self.state_dict["state"].get(pos, {})
-        return {k: v for k, v in state.items() if not is_row_state(v, self.shards[pos], self.rank)}
+        return self._of_kind(pos, "scalar")
+
+
+def is_packed(value: Any) -> bool:
+    """A tensor subclass that stores its data in inner tensors (``__tensor_flatten__``), such as
+    torchao's 8-bit and 4-bit optimizer states: saved as those inner tensors."""
+    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__")
+
+
+def attributes_to_json(value: Any) -> Any:
+    """The non-tensor attributes of a packed tensor (``__tensor_flatten__``'s context) as JSON."""
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Size):
+        return {"size": list(value)}
+    if isinstance(value, (list, tuple)):
+        return [attributes_to_json(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"cannot save a packed optimizer state attribute of type {type(value).__name__}")
+
+
+def attributes_from_json(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"dtype"}:
+        return getattr(torch, value["dtype"])
+    if isinstance(value, dict) and set(value) == {"size"}:
+        return torch.Size(value["size"])
+    if isinstance(value, list):
+        return [attributes_from_json(v) for v in value]
+    return value
+
+
+def packed_class(path: str) -> type:
+    """The tensor subclass named ``module:qualname`` in a checkpoint's metadata, imported (never
+    unpickled): it must be a ``torch.Tensor`` subclass that can be rebuilt from inner tensors."""
+    module, _, qualname = path.partition(":")
+    cls: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    if not (isinstance(cls, type) and issubclass(cls, torch.Tensor) and hasattr(cls, "__tensor_unflatten__")):
+        raise ValueError(f"{path} is not a torch.Tensor subclass with __tensor_unflatten__")
+    return cls
 
 
 def unsharded_state(model: torch.nn.Module, managed: list[torch.nn.Parameter], managed_names: list[str]):

@@ -258,6 +258,15 @@ def all_gather_object(obj, group: ProcessGroup | None) -> list:
     return out
 
 
+def gather_object(obj, group: ProcessGroup | None) -> list | None:
+    """Every rank's picklable ``obj``, in rank order, on rank 0 of ``group`` (None elsewhere)."""
+    rank = group_rank(group)
+    out = [None] * group_size(group) if rank == 0 else None
+    dst = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def wait(work) -> None:
     """Wait for an async handle; ``None`` (a synchronous call) is a no-op."""
     if work is not None:

@@ -108,5 +108,5 @@ def is_whole_state(value: Any, shard: ParamShard, rank: int) -> bool:
         shard.whole
         and isinstance(value, torch.Tensor)
         and not is_row_state(value, shard, rank)
-        and not (value.numel() == 1 and value.dim() <= 1)
+        and value.dim() >= 1  # 0-dim tensors (``step``) are scalars
     )
