@@ -4,6 +4,7 @@
     python benchmarks/memory.py --part formula   # world sizes 1, 2, 4; fp32 and bf16; ~23M-param GPT-2
     python benchmarks/memory.py --part peak      # peak RSS while training, GPT-2 124M shape, W = 2, 4
     python benchmarks/memory.py --part baselines # peak RSS: ours vs DDP, DeepSpeed, FSDP2, ZeRO-O; ~4 min
+    python benchmarks/memory.py --part states    # bytes/param: AdamW fp32 vs 8-bit states (torchao, bnb); ~1 min
 
 Model-state bytes come from the live tensors after two training steps, with the gradients of the
 next backward held (params + gradients + optimizer state, master rows included; for DDP its
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -51,6 +53,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
+from hf_lowzero.zero.comm import all_gather_object  # noqa: E402
 from hf_lowzero.zero.memory import tensor_bytes  # noqa: E402
 
 SMALL = (6, 512, 8192)  # n_layer, n_embd, vocab: ~23M params, for the formula table
@@ -129,7 +132,7 @@ def run(world: int, mode: str, dtype: str, size: tuple[int, int, int], rows: lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Per-rank memory of DDP vs ZeRO stage 1 and 2")
-    parser.add_argument("--part", choices=["formula", "peak", "baselines", "all"], default="all")
+    parser.add_argument("--part", choices=["formula", "peak", "baselines", "states", "all"], default="all")
     part = parser.parse_args().part
     RESULTS.mkdir(exist_ok=True)
     if part in ("formula", "all"):
@@ -138,6 +141,93 @@ def main() -> None:
         peak_table()
     if part in ("baselines", "all"):
         baselines_table()
+    if part in ("states", "all"):
+        states_table()
+
+
+STATE_KINDS = {  # optimizer -> (package it needs, bytes of state per element: the formula's K)
+    "adamw_fp32": (None, 8.0),
+    "adamw_8bit_torchao": ("torchao", 2.0),
+    "adamw_8bit_bnb": ("bitsandbytes", 2.0),
+}
+
+
+def state_inner(kind: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if kind == "adamw_8bit_torchao":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=1e-3)
+    if kind == "adamw_8bit_bnb":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def states_body(rank: int, world_size: int, kind: str, mode: str, out: str) -> None:
+    model = gpt2(2, 256)
+    psi = sum(p.numel() for p in model.parameters())
+    if mode == "ddp":
+        ddp = DDP(model)
+        opt = state_inner(kind, list(model.parameters()))
+        state_of, zero = opt.state, None
+    else:
+        zero = LowLevelZeroOptimizer(model, state_inner(kind, list(model.parameters())), stage=2)
+        state_of = zero.optim.state
+    for step in range(STEPS):
+        x = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(rank + 10 * step))
+        if zero is None:
+            ddp(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            zero.backward(model(input_ids=x, labels=x).loss)
+            zero.step()
+            zero.zero_grad()
+    state = tensor_bytes(v for e in state_of.values() for v in e.values() if isinstance(v, torch.Tensor))
+    if zero is None:
+        held = tensor_bytes(model.parameters()) * 2 + state  # params + their gradients (at backward) + state
+    else:
+        report = zero.memory_report()
+        held = report.params + report.master_rows + report.grad_buffers + state
+    per_rank = all_gather_object((state, held), None)
+    if rank == 0:
+        k = STATE_KINDS[kind][1]
+        formula = 4 + 4 + k if mode == "ddp" else 4 + (4 + 4 + k) / world_size  # fp32 params, master, grad rows
+        worst_state, worst_held = max(s for s, _ in per_rank), max(h for _, h in per_rank)
+        Path(out).write_text(json.dumps({
+            "optimizer": kind, "mode": mode, "world_size": world_size, "params_M": psi / 1e6,
+            "state_B_per_param": worst_state / psi, "model_state_B_per_param": worst_held / psi,
+            "formula_B_per_param": formula, "vs_formula": worst_held / psi / formula,
+        }))  # fmt: skip
+
+
+def states_table() -> None:
+    rows: list[dict] = []
+    for kind, (package, _) in STATE_KINDS.items():
+        if package and importlib.util.find_spec(package) is None:
+            print(f"{kind}: skipped, {package} is not installed (pip install -e .[test])", flush=True)
+            continue
+        for world in (1, 2, 4):
+            for mode in ("ddp", "zero2"):
+                row = collect(states_body, world, kind=kind, mode=mode)
+                ddp = next(
+                    (r for r in rows if (r["optimizer"], r["mode"], r["world_size"]) == (kind, "ddp", world)), row
+                )
+                row["vs_ddp"] = row["model_state_B_per_param"] / ddp["model_state_B_per_param"]
+                rows.append(row)
+                print(row, flush=True)
+    header = (
+        "# Bytes per parameter per rank: AdamW fp32 states against 8-bit states, DDP against ZeRO-2 (GPT-2 2x256)\n\n"
+        "`python benchmarks/memory.py --part states`: fp32 params, 2 steps; the largest rank. model_state = params\n"
+        "+ gradients (DDP: full `.grad`; ZeRO-2: fp32 gradient rows) + fp32 master rows (ZeRO) + optimizer state.\n"
+        "Formula: DDP 4 + 4 + K, ZeRO-2 4 + (4 + 4 + K)/W, with K = 8 bytes of AdamW state per element, 2 for\n"
+        "8-bit states (plus block scales; bitsandbytes keeps tensors under 4096 elements in 32 bits). 8-bit\n"
+        "optimizers get whole-parameter ownership: the largest rank holds at least the largest tensor (the\n"
+        "8192x256 tied embedding, 57% of this model), so at W=4 it sits above the formula."
+    )
+    cols = ["optimizer", "mode", "world_size", "params_M", "state_B_per_param", "model_state_B_per_param"]
+    print(write_results("memory_states", rows, cols + ["formula_B_per_param", "vs_formula", "vs_ddp"], header))
 
 
 def formula_table() -> None:

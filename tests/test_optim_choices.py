@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.zero.memory import tensor_bytes
 from tests.hf_models import TokenDataset, tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
 
@@ -41,15 +42,8 @@ ROWS = {"adamw_torch", "adamw_torch_fused", "sgd", "rmsprop", "adagrad"}  # what
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every state tensor, the inner tensors of quantized subclasses (torchao) counted."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
-            names, _ = t.__tensor_flatten__()
-            return sum(nbytes(getattr(t, n)) for n in names)
-        return t.numel() * t.element_size()
-
-    return sum(nbytes(v) for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+    """Bytes of every state tensor, what quantized subclasses (torchao) store counted."""
+    return tensor_bytes(v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
 
 
 def run(rank: int, out, optim: str, stage: int):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hf_lowzero.zero.memory import is_packed
 from hf_lowzero.zero.params import canonical_name
 from hf_lowzero.zero.partition import ParamShard
 from hf_lowzero.zero.shard_state import SECTION, is_row_state, is_whole_state
@@ -95,12 +96,6 @@ class ShardView:
 
     def scalar_state(self, pos: int) -> dict[str, Any]:
         return self._of_kind(pos, "scalar")
-
-
-def is_packed(value: Any) -> bool:
-    """A tensor subclass that stores its data in inner tensors (``__tensor_flatten__``), such as
-    torchao's 8-bit and 4-bit optimizer states: saved as those inner tensors."""
-    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__")
 
 
 def attributes_to_json(value: Any) -> Any:

@@ -15,10 +15,27 @@ from dataclasses import dataclass, field, fields
 import torch
 
 
-def bytes_by_device(tensors: Iterable[torch.Tensor]) -> Counter:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once), per device."""
-    seen: dict[tuple[str, int], int] = {}
+def is_packed(value: object) -> bool:
+    """A tensor subclass that stores its data in inner tensors (``__tensor_flatten__``), such as
+    torchao's 8-bit and 4-bit optimizer states."""
+    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__")
+
+
+def plain_tensors(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+    """``tensors`` with every packed tensor replaced by the plain tensors it stores its data in."""
     for t in tensors:
+        if is_packed(t):
+            names, _ = t.__tensor_flatten__()
+            yield from plain_tensors(getattr(t, name) for name in names)
+        else:
+            yield t
+
+
+def bytes_by_device(tensors: Iterable[torch.Tensor]) -> Counter:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once; packed
+    tensors count what they store), per device."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in plain_tensors(tensors):
         storage = t.untyped_storage()
         seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
     placed: Counter = Counter()
