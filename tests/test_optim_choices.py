@@ -110,3 +110,27 @@ def test_torch_and_transformers_optimizers(tmp_path, optims):
 def test_optional_package_optimizers(tmp_path, package):
     pytest.importorskip(package, reason=f"--optim choices of {package} need it installed (pip install -e .[test])")
     run_distributed(body, 2, out=tmp_path, optims=[o for o, pkg in OPTIMS.items() if pkg == package])
+
+
+def resume_body(rank: int, world_size: int, out, optims) -> None:
+    """Stop at step 2 and resume from the Trainer checkpoint: the same final params as the run that
+    went on (whole-owned state: torchao's packed 8-bit tensors, bitsandbytes' uint8 codes and block
+    scales, Adafactor's factored moments)."""
+    for optim in optims:
+        args = dict(optim=optim, max_steps=4, warmup_steps=0, learning_rate=1e-2, save_strategy="steps", save_steps=2)
+        whole = train(tiny_gpt2(), make_args(out / f"{optim}-whole", 2, **args))
+        resumed = train(
+            tiny_gpt2(seed=3),
+            make_args(out / f"{optim}-resumed", 2, **args),
+            resume=out / f"{optim}-whole/checkpoint-2",
+        )
+        assert resumed.zero_optimizer.partition == "params"
+        for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
+            assert torch.equal(p, q), f"--optim {optim} rank {rank}: {name} differs after resuming"
+
+
+def test_whole_param_states_resume_from_trainer_checkpoints(tmp_path):
+    optims, missing = available(["adafactor", "adamw_torch_8bit", "adamw_bnb_8bit"])
+    for optim, package in missing.items():
+        print(f"--optim {optim} not resumed: {package} is not installed")
+    run_distributed(resume_body, 2, out=tmp_path, optims=optims)
