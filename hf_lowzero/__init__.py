@@ -13,9 +13,10 @@ from hf_lowzero.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from hf_lowzero.zero import LowLevelZeroOptimizer, MemoryReport, ZeroConfig
+from hf_lowzero.zero import ChainedOptimizer, LowLevelZeroOptimizer, MemoryReport, ZeroConfig
 
 __all__ = [
+    "ChainedOptimizer",
     "CheckpointError",
     "LowLevelZeroOptimizer",
     "LowZeroTrainer",

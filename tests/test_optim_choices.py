@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from hf_lowzero import ChainedOptimizer
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.memory import tensor_bytes
 from tests.hf_models import TokenDataset, tiny_gpt2
@@ -134,3 +135,39 @@ def test_whole_param_states_resume_from_trainer_checkpoints(tmp_path):
     for optim, package in missing.items():
         print(f"--optim {optim} not resumed: {package} is not installed")
     run_distributed(resume_body, 2, out=tmp_path, optims=optims)
+
+
+def muon_chain(model) -> ChainedOptimizer:
+    """torch's Muon for the 2-D weight matrices, AdamW for the rest (embeddings, biases, norms).
+
+    AdamW's kernel is fixed (fused), so both runs use the same: ZeRO on CPU would pick the fused
+    kernel where it is left open, and Muon's bf16 Newton-Schulz iteration turns the foreach
+    kernel's last-bit differences into 1e-4 differences of the matrices."""
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("transformer.w")]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and not n.startswith("transformer.w"))]
+    return ChainedOptimizer(torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=3e-3, fused=True))
+
+
+def muon_body(rank: int, world_size: int, out) -> None:
+    runs = {}
+    for stage in (0, 1, 2):
+        model = tiny_gpt2()
+        args = make_args(
+            out / f"muon-{stage}", stage, max_steps=3, warmup_steps=0, gradient_accumulation_steps=1, max_grad_norm=0.0
+        )
+        trainer = train(model, args, optimizers=(muon_chain(model), None))
+        if stage:
+            assert trainer.zero_optimizer.partition == "params"
+            muon_state = trainer.zero_optimizer.optim.optimizers[0].state
+            assert all(v["momentum_buffer"].ndim == 2 for v in muon_state.values())  # whole matrices
+        runs[stage] = logged(trainer, "loss"), {n: p.detach().clone() for n, p in model.named_parameters()}
+    for stage in (1, 2):
+        assert runs[stage][0] == pytest.approx(runs[0][0], rel=1e-5), f"zero_stage={stage}"
+        for name, p in runs[0][1].items():
+            torch.testing.assert_close(
+                runs[stage][1][name], p, rtol=1e-4, atol=1e-5, msg=lambda m, s=stage, n=name: f"stage {s} {n}: {m}"
+            )
+
+
+def test_muon_for_matrices_and_adamw_for_the_rest_given_through_optimizers(tmp_path):
+    run_distributed(muon_body, 2, out=tmp_path)

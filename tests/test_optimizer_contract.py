@@ -241,3 +241,40 @@ def contract_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_optimizer_contract(world_size):
     run_distributed(contract_body, world_size)
+
+
+def test_chained_optimizer_is_one_torch_optimizer(single_rank_group):
+    """Muon for matrices and AdamW for the rest behave, saved and restored, as the two side by side;
+    under ZeRO the chain gets whole params (Muon needs whole matrices)."""
+    from hf_lowzero import ChainedOptimizer
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        return model, ChainedOptimizer(torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-2))
+
+    def step(model, opt, i):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, chain = build(0)
+    for i in range(2):
+        step(model, chain, i)
+    saved = chain.state_dict()
+    assert sorted(saved["state"]) == [0, 1, 2, 3] and [g["params"] for g in saved["param_groups"]] == [[0, 1], [2, 3]]
+    twin, twin_chain = build(1)
+    twin.load_state_dict(model.state_dict())
+    twin_chain.load_state_dict(copy.deepcopy(saved))  # as torch.save + torch.load would give it
+    for i in range(2, 4):
+        step(model, chain, i)
+        step(twin, twin_chain, i)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="share a param"):
+        ChainedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1))
+    fresh, fresh_chain = build(2)
+    assert LowLevelZeroOptimizer(fresh, fresh_chain).partition == "params"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from hf_lowzero.zero.inner import choose_partition
+from hf_lowzero.zero.inner import choose_partition, partition_for
 from hf_lowzero.zero.optimizer import check_inner_optimizer
 from hf_lowzero.zero.params import managed_slots
 
@@ -47,7 +47,7 @@ def check_trainer_flags(trainer: Trainer) -> None:
     config = args.to_zero_config()
     if trainer.optimizer is not None:  # optimizers=(optimizer, scheduler)
         check_inner_optimizer(trainer.optimizer)
-        choose_partition(type(trainer.optimizer), config.partition, config.allow_untested_optimizer)
+        partition_for(trainer.optimizer, config.partition, config.allow_untested_optimizer)
         managed_slots(trainer.model, trainer.optimizer, world_size=1)  # over this model's trainable params
         return
     if trainer.optimizer_cls_and_kwargs is not None:

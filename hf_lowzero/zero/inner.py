@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_lowzero.zero.chain import ChainedOptimizer
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
     for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
@@ -21,6 +23,14 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 FUSED_ON_CPU: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
 PARTITIONS = ("auto", "rows", "params")
+
+
+def partition_for(optimizer: torch.optim.Optimizer, partition: str, allow_untested: bool) -> str:
+    """``choose_partition`` for an optimizer instance; a ``ChainedOptimizer`` gets rows only when
+    every optimizer in it may have them."""
+    chained = getattr(optimizer, "optimizers", None) if isinstance(optimizer, ChainedOptimizer) else None
+    choices = [choose_partition(type(o), partition, allow_untested) for o in chained or [optimizer]]
+    return "params" if "params" in choices else "rows"
 
 
 def choose_partition(cls: type, partition: str, allow_untested: bool) -> str:
@@ -86,6 +96,10 @@ def has_taken_steps(optimizer: torch.optim.Optimizer) -> bool:
 def prefer_fused_on_cpu(optimizer: torch.optim.Optimizer) -> None:
     """For rows in host memory (offload, or a CPU model): switch groups whose kernel is left to
     torch's default (``fused`` and ``foreach`` both None) to the fused CPU kernel."""
+    if isinstance(optimizer, ChainedOptimizer):
+        for chained in optimizer.optimizers:
+            prefer_fused_on_cpu(chained)
+        return
     if type(optimizer) not in FUSED_ON_CPU:
         return
     for group in optimizer.param_groups:

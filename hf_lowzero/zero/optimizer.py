@@ -48,8 +48,8 @@ from hf_lowzero.zero.grad_rows import make_grad_rows
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
 from hf_lowzero.zero.inner import (
     carry_bitsandbytes_overrides,
-    choose_partition,
     has_taken_steps,
+    partition_for,
     prefer_fused_on_cpu,
 )
 from hf_lowzero.zero.loss_scaler import make_scaler
@@ -91,8 +91,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 "torch.distributed.init_process_group(...) first (a world of size 1 works)."
             )
         check_inner_optimizer(optimizer)
-        self.partition = choose_partition(
-            type(optimizer), self.config.partition, self.config.allow_untested_optimizer
+        self.partition = partition_for(
+            optimizer, self.config.partition, self.config.allow_untested_optimizer
         )  # "rows" or "params"
         self.optim = optimizer
         self.model = model
