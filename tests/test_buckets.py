@@ -4,10 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, plan_buckets
-from hf_lowzero.zero.master import unpack_bucket
+from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, Reduction, plan_buckets
+from hf_lowzero.zero.layout import pack_bucket, unpack_bucket
 from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.reducer import pack_bucket
 
 
 def make_slots(shapes, world_size, dtypes=None):
@@ -78,17 +77,24 @@ def test_unpack_inverts_pack_for_padded_and_unpadded_params(world_size):
         torch.testing.assert_close(s.param, v, rtol=1e-6, atol=1e-6)
 
 
+def launched(events):
+    def launch(bucket):
+        events.append(("launch", bucket.index))
+        return Reduction(bucket, None, torch.empty(0), ())
+
+    return launch
+
+
+def finished(events):
+    return lambda reduction: events.append(("finish", reduction.bucket.index))
+
+
 def test_launcher_launches_in_plan_order_whatever_the_ready_order():
     slots = make_slots([(4,)] * 6, world_size=1)
     buckets = plan_buckets(slots, bucket_bytes=4 * 8, comm_dtype=None)  # two params per bucket
     assert len(buckets) == 3
     events = []
-    launcher = PlanOrderLauncher(
-        buckets,
-        launch=lambda b: events.append(("launch", b.index)),
-        finish=lambda b: events.append(("finish", b.index)),
-        max_in_flight=2,
-    )
+    launcher = PlanOrderLauncher(buckets, launch=launched(events), finish=finished(events), max_in_flight=2)
     # The last bucket in the plan becomes complete first: nothing may launch yet.
     for slot in buckets[2].slots:
         launcher.mark_ready(slot)
@@ -102,15 +108,13 @@ def test_launcher_launches_in_plan_order_whatever_the_ready_order():
     assert [e for e in events if e[0] == "launch"] == [("launch", 0), ("launch", 1), ("launch", 2)]
     assert events.index(("finish", 0)) < events.index(("launch", 2))  # at most two in flight
     assert sorted(e for e in events if e[0] == "finish") == [("finish", i) for i in range(3)]
-    assert all(b.state is BucketState.WAITING and b.pending == len(b.slots) for b in buckets)
+    assert launcher.phase == [BucketState.WAITING] * 3 and launcher.pending == [len(b.slots) for b in buckets]
 
 
 def test_launcher_without_overlap_waits_for_each_bucket():
     slots = make_slots([(4,)] * 3, world_size=1)
     buckets = plan_buckets(slots, bucket_bytes=16, comm_dtype=None)
     events = []
-    launcher = PlanOrderLauncher(
-        buckets, lambda b: events.append(("launch", b.index)), lambda b: events.append(("finish", b.index))
-    )
+    launcher = PlanOrderLauncher(buckets, launched(events), finished(events))
     launcher.launch_all(overlap=False)
     assert events == [("launch", 0), ("finish", 0), ("launch", 1), ("finish", 1), ("launch", 2), ("finish", 2)]

@@ -14,7 +14,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.grad_rows import HostGradRows
+from hf_lowzero.zero.grad_store import HostGradStore
 from tests.models import BranchyNet, batch, make_inner
 
 MICRO = 2
@@ -63,7 +63,7 @@ def parity_body(rank, world_size, tmp):
         where = f"stage {stage} {dtype} {inner} clip {clip} {partition}"
         runs = {offload: build(stage, dtype, inner, clip, offload, partition=partition) for offload in (False, True)}
         offloaded = runs[True][1]
-        assert isinstance(offloaded.reducer.store, HostGradRows) and offloaded.master.flat.device.type == "cpu"
+        assert isinstance(offloaded.reducer.store, HostGradStore) and offloaded.master.flat.device.type == "cpu"
         for step in range(4):
             for model, opt in runs.values():
                 train_step(model, opt, rank, step, dtype)

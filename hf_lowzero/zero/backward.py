@@ -62,7 +62,7 @@ class BackwardSync:
     def _hook_for(self, slot: ParamSlot):
         # Runs once per parameter per backward: kept to a few attribute updates (see
         # benchmarks/step_time.py, ms_our_python); the bucket work happens once per bucket.
-        bucket = self.buckets[slot.bucket_index]
+        launcher, bucket_index = self.launcher, slot.bucket_index
         index = slot.index
 
         def hook(_param: torch.Tensor) -> None:
@@ -73,16 +73,15 @@ class BackwardSync:
                 return
             if not self.explicit and not self._flush_queued:
                 self._queue_flush()
-            if bucket.state is not BucketState.WAITING:
+            if launcher.phase[bucket_index] is not BucketState.WAITING:
                 raise RuntimeError(
                     f"gradient of {slot.name!r} arrived after its bucket was already reduced in this "
                     "backward. Either a parameter is reached twice through reentrant autograd (use "
                     "non-reentrant activation checkpointing, use_reentrant=False), or an earlier backward "
                     "raised and was not followed by optimizer.zero_grad()."
                 )
-            self.launcher.mark_ready(slot)
-            if bucket.pending == 0 and self.overlap:
-                self.launcher.launch_ready()
+            if launcher.mark_ready(slot) and self.overlap:
+                launcher.launch_ready()
 
         return hook
 

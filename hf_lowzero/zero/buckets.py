@@ -7,8 +7,16 @@ rank exactly its pieces. With row shards every chunk has the same length (``[W, 
 whole-parameter ownership the bucket's params are ordered by owner, so chunk ``r`` is the owned
 params of rank ``r`` whole, and chunks differ in length (``Bucket.chunks``).
 
-The pieces a rank owns are laid out bucket after bucket in one flat "owned rows" space
-(``Bucket.row_offset``); the optimizer's fp32 master rows and the gradient rows use it.
+The pieces a rank owns are laid out bucket after bucket in one flat "owned space"
+(``Bucket.row_offset``); the optimizer's fp32 master rows and the gradient store use it
+(``layout.py`` holds the packing, unpacking and views).
+
+The plan is frozen once made. What changes during a backward lives elsewhere, each piece in one
+owner: which params of each bucket are still outstanding and each bucket's phase in the
+``PlanOrderLauncher``; each collective in flight in a typed record (``Reduction`` here, ``Gather``
+in ``master.py``) held by whoever waits for it, as FSDP2 keeps its ``AllGatherState`` and
+``ReduceScatterState``; whether a bucket holds reduced gradients since the last step in the
+``BucketReducer``.
 
 # [Note: bucket order]
 # Buckets are planned once, identically on every rank, and launched strictly in plan order:
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -33,41 +41,36 @@ from hf_lowzero.zero.params import ParamSlot
 class BucketState(Enum):
     WAITING = auto()  # collecting this backward's gradients
     REDUCING = auto()  # collective launched, not yet waited
-    REDUCED = auto()  # result in place (stage 1: bucket buffer; stage 2: gradient rows)
+    REDUCED = auto()  # result in the gradient store
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Bucket:
+    """One bucket of the static plan: which params, in which layout; nothing that changes."""
+
     index: int
     dtype: torch.dtype  # of the params (all params of a bucket share dtype and device)
     device: torch.device
-    slots: list[ParamSlot] = field(default_factory=list)
-    chunks: list[int] = field(default_factory=list)  # per rank: elements of its chunk (its pieces)
-    packed_numel: int = 0  # elements of the packed bucket: sum(chunks)
-    row_numel: int = 0  # this rank's chunk: chunks[rank]
-    row_offset: int = 0
-    state: BucketState = BucketState.WAITING
-    pending: int = 0  # params whose gradient has not arrived in this backward
-    has_grads: bool = False  # holds reduced gradients since the last step (accumulation)
-    work: object = None  # async handle while REDUCING
-    scratch: tuple = ()  # tensors a collective in flight writes to or reads from
+    slots: tuple[ParamSlot, ...]  # in packing order (whole params: by owner)
+    chunks: tuple[int, ...]  # per rank: elements of its chunk (its pieces)
+    packed_numel: int  # elements of the packed bucket: sum(chunks)
+    row_numel: int  # this rank's chunk: chunks[rank]
+    row_offset: int  # where this rank's chunk starts in the owned space
 
     @property
     def whole(self) -> bool:
         """Its params are owned whole (chunks of any lengths), not in rows (chunks all equal)."""
         return self.slots[0].shard.whole
 
-    @property
-    def is_complete(self) -> bool:
-        return self.pending == 0
 
-    def expect_all(self) -> None:
-        """A new backward: every param's gradient is outstanding."""
-        self.pending = len(self.slots)
+@dataclass(frozen=True, eq=False)
+class Reduction:
+    """A bucket's reduction in flight: what to wait for and what it writes to, until ``finish``."""
 
-    def transition(self, old: BucketState, new: BucketState) -> None:
-        assert self.state is old, f"bucket {self.index}: expected state {old}, found {self.state}"
-        self.state = new
+    bucket: Bucket
+    work: object  # async handle, or None (world size 1: nothing to wait for)
+    out: torch.Tensor  # this rank's reduced chunk lands here
+    buffers: tuple[torch.Tensor, ...]  # pooled scratch the collective reads or writes
 
 
 def plan_buckets(
@@ -78,53 +81,63 @@ def plan_buckets(
     A bucket closes when the next param would push it past ``bucket_bytes`` (padded, in the
     communication dtype) or has another dtype/device; a param bigger than a bucket gets its own.
     Within a bucket of whole-owned params, params are ordered by owner (stable), so each rank's
-    chunk is contiguous. Fills in every slot's ``bucket_index``, ``bucket_offset``, ``row_offset``
-    and ``row_numel`` for ``rank``; the plan itself is the same on every rank.
+    chunk is contiguous. Fills in every slot's ``bucket_index``, ``row_offset`` and ``row_numel``
+    for ``rank``; the plan itself is the same on every rank.
     """
-    buckets: list[Bucket] = []
+    groups: list[list[ParamSlot]] = []
+    packed = 0
     for slot in reversed(slots):
-        p = slot.param
+        p, last = slot.param, groups[-1][-1].param if groups else None
         itemsize = (comm_dtype or p.dtype).itemsize
-        last = buckets[-1] if buckets else None
         if (
             last is None
             or last.dtype != p.dtype
             or last.device != p.device
-            or ((last.packed_numel + slot.shard.padded_numel) * itemsize > bucket_bytes)
+            or ((packed + slot.shard.padded_numel) * itemsize > bucket_bytes)
         ):
-            last = Bucket(index=len(buckets), dtype=p.dtype, device=p.device)
-            buckets.append(last)
-        last.slots.append(slot)
-        last.packed_numel += slot.shard.padded_numel
-    row_offset = 0
-    for bucket in buckets:
-        bucket.slots.sort(key=lambda s: s.shard.owner or 0)  # stable; a no-op for row shards
-        world_size = bucket.slots[0].shard.world_size
-        bucket.chunks = [sum(s.shard.piece_numel(r) for s in bucket.slots) for r in range(world_size)]
-        bucket.row_numel = bucket.chunks[rank]
-        bucket.row_offset = row_offset
-        for slot in bucket.slots:
-            slot.bucket_index = bucket.index
+            groups.append([])
+            packed = 0
+        groups[-1].append(slot)
+        packed += slot.shard.padded_numel
+    buckets, row_offset = [], 0
+    for index, members in enumerate(groups):
+        members.sort(key=lambda s: s.shard.owner or 0)  # stable; a no-op for row shards
+        world_size = members[0].shard.world_size
+        chunks = tuple(sum(s.shard.piece_numel(r) for s in members) for r in range(world_size))
+        bucket = Bucket(
+            index=index,
+            dtype=members[0].param.dtype,
+            device=members[0].param.device,
+            slots=tuple(members),
+            chunks=chunks,
+            packed_numel=sum(s.shard.padded_numel for s in members),
+            row_numel=chunks[rank],
+            row_offset=row_offset,
+        )
+        for slot in members:
+            slot.bucket_index = index
             slot.row_numel = slot.shard.piece_numel(rank)
-            slot.bucket_offset = row_offset - bucket.row_offset
             slot.row_offset = row_offset
             row_offset += slot.row_numel
+        buckets.append(bucket)
     return buckets
 
 
 class PlanOrderLauncher:
     """Launches buckets strictly in plan order (see [Note: bucket order]) with bounded in-flight work.
 
-    ``launch(bucket)`` starts a bucket's collective and ``finish(bucket)`` waits for it and
-    consumes the result; both come from the stage policy. At most ``max_in_flight`` buckets are
-    REDUCING at once, which bounds the memory of transient bucket buffers.
+    Owns the per-backward progress: how many params of each bucket are outstanding and each
+    bucket's phase. ``launch(bucket)`` starts a bucket's collective and returns its ``Reduction``;
+    ``finish(reduction)`` waits for it and consumes the result; both come from the reducer. At
+    most ``max_in_flight`` buckets are REDUCING at once, which bounds the memory of transient
+    bucket buffers.
     """
 
     def __init__(
         self,
         buckets: list[Bucket],
-        launch: Callable[[Bucket], None],
-        finish: Callable[[Bucket], None],
+        launch: Callable[[Bucket], Reduction],
+        finish: Callable[[Reduction], None],
         max_in_flight: int = 2,
     ) -> None:
         self.buckets = buckets
@@ -132,16 +145,18 @@ class PlanOrderLauncher:
         self._finish = finish
         self.max_in_flight = max_in_flight
         self.next_bucket = 0  # plan position of the next bucket to launch in this backward
-        self.in_flight: deque[Bucket] = deque()
-        for bucket in buckets:
-            bucket.expect_all()
+        self.in_flight: deque[Reduction] = deque()
+        self.pending = [len(b.slots) for b in buckets]  # params whose gradient has not arrived
+        self.phase = [BucketState.WAITING] * len(buckets)
 
-    def mark_ready(self, slot: ParamSlot) -> None:
-        self.buckets[slot.bucket_index].pending -= 1
+    def mark_ready(self, slot: ParamSlot) -> bool:
+        """One more gradient of ``slot``'s bucket arrived; whether the bucket is now complete."""
+        self.pending[slot.bucket_index] -= 1
+        return self.pending[slot.bucket_index] == 0
 
     def launch_ready(self) -> None:
         """Launch, in plan order, every leading bucket whose params are all ready."""
-        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].is_complete:
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
             self._launch_next()
 
     def launch_all(self, overlap: bool) -> None:
@@ -151,10 +166,8 @@ class PlanOrderLauncher:
             if not overlap:
                 self.wait_all()
         self.wait_all()
-        self.next_bucket = 0
-        for bucket in self.buckets:
-            bucket.expect_all()
-            bucket.transition(BucketState.REDUCED, BucketState.WAITING)
+        assert all(phase is BucketState.REDUCED for phase in self.phase), self.phase
+        self._start_over()
 
     def wait_all(self) -> None:
         while self.in_flight:
@@ -163,28 +176,30 @@ class PlanOrderLauncher:
     @property
     def mid_backward(self) -> bool:
         """Some bucket of the current backward is ready or launched but the flush has not run."""
-        return self.next_bucket > 0 or any(bucket.pending != len(bucket.slots) for bucket in self.buckets)
+        return self.next_bucket > 0 or any(n != len(b.slots) for n, b in zip(self.pending, self.buckets))
 
     def reset(self) -> None:
         """Forget a backward that never finished (it raised): wait for the collectives it started,
         so that no buffer is reused while a peer still writes to it, and return every bucket to
         WAITING. The caller discards the gradients (see [Note: failed backward])."""
         self.wait_all()
+        self._start_over()
+
+    def _start_over(self) -> None:
         self.next_bucket = 0
-        for bucket in self.buckets:
-            bucket.expect_all()
-            bucket.state = BucketState.WAITING
+        self.pending = [len(b.slots) for b in self.buckets]
+        self.phase = [BucketState.WAITING] * len(self.buckets)
 
     def _launch_next(self) -> None:
-        bucket = self.buckets[self.next_bucket]
+        index = self.next_bucket
         while len(self.in_flight) >= self.max_in_flight:
             self._finish_oldest()
-        bucket.transition(BucketState.WAITING, BucketState.REDUCING)
-        self._launch(bucket)
-        self.in_flight.append(bucket)
+        assert self.phase[index] is BucketState.WAITING, f"bucket {index}: {self.phase[index]}"
+        self.phase[index] = BucketState.REDUCING
+        self.in_flight.append(self._launch(self.buckets[index]))
         self.next_bucket += 1
 
     def _finish_oldest(self) -> None:
-        bucket = self.in_flight.popleft()
-        self._finish(bucket)
-        bucket.transition(BucketState.REDUCING, BucketState.REDUCED)
+        reduction = self.in_flight.popleft()
+        self._finish(reduction)
+        self.phase[reduction.bucket.index] = BucketState.REDUCED

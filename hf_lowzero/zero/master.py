@@ -13,16 +13,30 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.grad_rows import MASTER_DTYPE, host_buffer
+from hf_lowzero.zero.grad_store import MASTER_DTYPE, host_buffer
+from hf_lowzero.zero.layout import bucket_view, piece_view, unpack_bucket, unpack_targets
 from hf_lowzero.zero.params import ParamSlot
 
 MAX_GATHERS_IN_FLIGHT = 2  # bounds the transient all-gather buffers
+
+
+@dataclass(frozen=True, eq=False)
+class Gather:
+    """A bucket's gather back into the params in flight: what to wait for and what it reads and
+    writes, until it is unpacked."""
+
+    bucket: Bucket
+    work: object
+    chunk: torch.Tensor  # this rank's updated chunk, in the params' dtype
+    out: torch.Tensor  # every rank's chunks, rank-major
 
 
 class MasterRows:
@@ -46,12 +60,12 @@ class MasterRows:
             self.flat = host_buffer(total, MASTER_DTYPE, pin_memory and device.type == "cuda")
         else:
             self.flat = torch.zeros(total, dtype=MASTER_DTYPE, device=device)
-        self.rows = [self.flat[s.row_offset : s.row_offset + s.row_numel] for s in slots]
+        self.rows = [piece_view(self.flat, s) for s in slots]
         self._unpack_targets = {b.index: unpack_targets(b, world_size) for b in buckets if not b.whole}
         self.copy_from_params()
 
     def bucket_rows(self, bucket: Bucket) -> torch.Tensor:
-        return self.flat[bucket.row_offset : bucket.row_offset + bucket.row_numel]
+        return bucket_view(self.flat, bucket)
 
     @torch.no_grad()
     def copy_from_params(self) -> None:
@@ -65,15 +79,15 @@ class MasterRows:
         """All-gather the rows back into the model's params, bucket by bucket, in the params'
         dtype. Collective. Offloaded rows go to the device first (from pinned memory: async,
         ordered before the all-gather on the same stream)."""
-        in_flight: list[tuple] = []
+        in_flight: list[Gather] = []
 
-        def finish(bucket: Bucket, rows: torch.Tensor, out: torch.Tensor, work) -> None:
+        def finish(gather: Gather) -> None:
             with record_function("hf_lowzero::all_gather_wait"):
-                comm.wait(work)  # rows and out stay referenced until here
+                comm.wait(gather.work)  # chunk and out stay referenced until here
             with record_function("hf_lowzero::unpack_bucket"):
-                unpack_bucket(bucket, out, self.world_size, self._unpack_targets.get(bucket.index))
-            self.pool.give(out)
-            self._release(bucket, rows)
+                unpack_bucket(gather.bucket, gather.out, self.world_size, self._unpack_targets.get(gather.bucket.index))
+            self.pool.give(gather.out)
+            self._release(gather.bucket, gather.chunk)
 
         for bucket in self.buckets:
             rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True)
@@ -88,53 +102,15 @@ class MasterRows:
             if not bucket.whole:
                 work = comm.all_gather(out, rows, self.group, async_op=True)
             else:
-                work = comm.gather_from_owners(out, rows, bucket.chunks, self.group, async_op=True)
-            in_flight.append((bucket, rows, out, work))
+                work = comm.gather_from_owners(out, rows, list(bucket.chunks), self.group, async_op=True)
+            in_flight.append(Gather(bucket, work, rows, out))
             if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
-                finish(*in_flight.pop(0))
-        for item in in_flight:
-            finish(*item)
+                finish(in_flight.pop(0))
+        for gather in in_flight:
+            finish(gather)
 
     def _release(self, bucket: Bucket, rows: torch.Tensor) -> None:
         """Give ``rows`` back to the pool when it is a pooled copy in the params' dtype, not the
         master rows themselves."""
         if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
             self.pool.give(rows)
-
-
-def unpack_targets(bucket: Bucket, world_size: int) -> list[torch.Tensor | None]:
-    """Per param of ``bucket``: its ``[W, shard_numel]`` view when its numel divides by W (the
-    gathered rows land in it directly), else None (it needs a temporary to drop the padding)."""
-    return [
-        slot.param.view(world_size, slot.shard.shard_numel) if slot.shard.padding == 0 else None
-        for slot in bucket.slots
-    ]
-
-
-@torch.no_grad()
-def unpack_bucket(
-    bucket: Bucket, gathered: torch.Tensor, world_size: int, targets: list[torch.Tensor | None] | None = None
-) -> None:
-    """Copy a gathered rank-major bucket (``packed_numel`` flat) into its params.
-
-    Row shards (``[W, row_numel]``): one ``split_with_sizes_copy`` kernel writes every param whose
-    numel divides by W straight into it; a padded param goes through a temporary and drops its
-    padding. ``targets`` is :func:`unpack_targets` of the bucket, built once by the caller. Whole
-    params: the bucket is the params back to back, one ``split_with_sizes_copy`` into them all.
-    """
-    if bucket.whole:
-        sizes = [slot.shard.numel for slot in bucket.slots]
-        torch.split_with_sizes_copy(gathered, sizes, out=[slot.param.view(-1) for slot in bucket.slots])
-        return
-    targets = unpack_targets(bucket, world_size) if targets is None else targets
-    outs = [
-        torch.empty(world_size, slot.shard.shard_numel, dtype=bucket.dtype, device=bucket.device)
-        if target is None
-        else target
-        for slot, target in zip(bucket.slots, targets)
-    ]
-    sizes = [slot.shard.shard_numel for slot in bucket.slots]
-    torch.split_with_sizes_copy(gathered.view(world_size, bucket.row_numel), sizes, dim=1, out=outs)
-    for slot, target, out in zip(bucket.slots, targets, outs):
-        if target is None:
-            slot.param.view(-1).copy_(out.view(-1)[: slot.shard.numel])

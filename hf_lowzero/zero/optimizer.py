@@ -14,7 +14,7 @@ Lifecycle of one step (docs/architecture.md, "The data path of one step"):
 1. backward: a post-accumulate-grad hook marks each param ready; complete buckets are launched in
    plan order (see [Note: bucket order]); at the end of backward the rest are launched with zeros
    for missing gradients, and every collective is waited for (``backward.py``).
-2. step: one all-reduce of ``[sum of squared grad rows, per-param used flags]`` gives the global
+2. step: one all-reduce of ``[sum of squared gradients, per-param used flags]`` gives the global
    norm and which params were used on any rank. A non-finite norm means some rank overflowed:
    every rank sees the same sum, so every rank skips the same step. Otherwise masked params get
    ``grad=None`` so the inner optimizer skips them, the rows are unscaled and clipped in one
@@ -44,7 +44,7 @@ from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.grad_rows import make_grad_rows
+from hf_lowzero.zero.grad_store import make_grad_store
 from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
 from hf_lowzero.zero.inner import (
     carry_bitsandbytes_overrides,
@@ -114,7 +114,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.world_size,
             self.config.communication_dtype,
             self.config.stage,
-            make_grad_rows(self.buckets, self.device, offload, pin),
+            make_grad_store(self.buckets, self.device, offload, pin),
             pool,
         )
         self.master = MasterRows(
@@ -124,7 +124,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         # Per slot: the tensor the inner optimizer steps (a master row, or an owned param's master
         # in its shape; None for a param owned elsewhere) and its gradient, fixed views of the stores.
         self._inner_params = [self._held(slot, self.master.rows[slot.index]) for slot in self.slots]
-        self._grad_views = [self._held(slot, self.reducer.store.view_of(slot)) for slot in self.slots]
+        self._inner_grads = [self._held(slot, self.reducer.store.piece(slot)) for slot in self.slots]
         if self.master.flat.device.type == "cpu":
             prefer_fused_on_cpu(optimizer)
         slot_of = {id(slot.param): slot for slot in self.slots}
@@ -147,7 +147,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
-        self._pending_norm = None  # (grad_version, grad rows, scaled norm, used flags) of this step
+        self._pending_norm = None  # (grad_version, reduced chunks, scaled norm, used flags) of this step
         self._sync = BackwardSync(
             self.slots,
             self.buckets,
@@ -399,7 +399,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._guard.check()
         self._check_group_sizes()
         with record_function("hf_lowzero::grad_norm"):
-            grad_rows, scaled_norm, used = self._norm_and_usage()
+            reduced, scaled_norm, used = self._norm_and_usage()
         if not math.isfinite(scaled_norm):
             self.last_step_applied = self._skip_step()
             return False
@@ -409,11 +409,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         clip_coef = min(1.0, clip / (self.last_grad_norm + 1e-6)) if clip > 0 else 1.0
         coef = clip_coef / self.scaler.scale
         if coef != 1.0:
-            for rows in grad_rows:
-                if rows is not None:
-                    rows.mul_(coef)
+            for chunk in reduced:
+                if chunk is not None:
+                    chunk.mul_(coef)
         # Params used on no rank get no gradient: no update, no weight decay, no state.
-        for master, grad, used_anywhere in zip(self._inner_params, self._grad_views, used):
+        for master, grad, used_anywhere in zip(self._inner_params, self._inner_grads, used):
             if master is not None:
                 master.grad = grad if used_anywhere else None
         self._groups.sync()
@@ -449,13 +449,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
             if self._sync.unsynced_local_grads:
                 self._sync.flush()  # stage 1: every backward of this step ran under no_sync()
-            grad_rows = [self.reducer.grad_rows(bucket) for bucket in self.buckets]
-            scaled_norm, used = self._global_norm_and_usage(grad_rows)
+            reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
+            scaled_norm, used = self._global_norm_and_usage(reduced)
             self.last_grad_norm = scaled_norm / self.scaler.scale
-            self._pending_norm = (self._sync.grad_version, grad_rows, scaled_norm, used)
+            self._pending_norm = (self._sync.grad_version, reduced, scaled_norm, used)
         return self._pending_norm[1:]
 
-    def _global_norm_and_usage(self, grad_rows: list[torch.Tensor | None]) -> tuple[float, list[bool]]:
+    def _global_norm_and_usage(self, reduced: list[torch.Tensor | None]) -> tuple[float, list[bool]]:
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
         got a gradient on any rank (DDP's unused-parameter detection). Padding rows are zero, so
         the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
@@ -463,7 +463,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         # norms rather than sums of squares: no temporary as large as the rows. Accumulated in
         # float64, as DeepSpeed does: an fp32 sum over rows of millions of elements is off by ~1e-4
         # relative, and the clip coefficient with it.
-        present = [rows for rows in grad_rows if rows is not None]
+        present = [chunk for chunk in reduced if chunk is not None]
         norms = (
             torch._foreach_norm(present, 2, dtype=torch.float64) if present else [torch.zeros((), dtype=torch.float64)]
         )

@@ -33,7 +33,6 @@ class ParamSlot:
     param: torch.nn.Parameter
     shard: ParamShard
     bucket_index: int = -1
-    bucket_offset: int = -1  # start of this rank's piece inside this rank's chunk of the bucket
     row_offset: int = -1  # start of this rank's piece in the owned-rows space
     row_numel: int = -1  # length of this rank's piece (``shard.piece_numel(rank)``)
     wrapped_as: tuple = field(default=(), repr=False)  # (dtype, device, data_ptr) at wrap time

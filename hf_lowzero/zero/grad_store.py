@@ -1,16 +1,16 @@
-"""Where this rank's reduced gradient rows accumulate: on the params' device, or in host memory
-for optimizer offload.
+"""The gradient store: where this rank's reduced gradients accumulate, on the params' device or,
+for optimizer offload, in host memory.
 
-Both keep one flat fp32 tensor in the owned-rows space (bucket after bucket). ``accept`` takes a
-bucket's reduced chunk (the params' device, the communication dtype) right after its collective
-finished: the first contribution since the last step is copied, later ones (accumulation) added,
-always in fp32.
+Both keep one flat fp32 tensor in the owned space (bucket after bucket, ``layout.py``). ``accept``
+takes a bucket's reduced chunk (the params' device, the communication dtype) right after its
+collective finished: the first contribution since the last step is copied, later ones
+(accumulation) added, always in fp32.
 
 Example::
 
-    rows = make_grad_rows(buckets, device, offload=True, pin_memory=True)
-    rows.accept(bucket, reduced_chunk, first=True)   # async D2H on CUDA
-    rows.rows(bucket)                                 # waits for that copy, then returns host rows
+    store = make_grad_store(buckets, device, offload=True, pin_memory=True)
+    store.accept(bucket, reduced_chunk, first=True)   # async D2H on CUDA
+    store.chunk(bucket)                                # waits for that copy, then returns the host chunk
 
 # [Note: host copies]
 # With offload on CUDA, a bucket's reduced chunk is copied to pinned host memory on a side stream
@@ -18,7 +18,7 @@ Example::
 # never reads a chunk still being reduced), while backward goes on. The chunk's allocation is
 # tied to the copy stream (``record_stream``), so the caching allocator cannot reuse it before
 # the copy is done. Every copy records a completion event, and nothing reads (or rewrites) a
-# staging buffer or a host row before that event completed: ``rows()``, the next ``accept`` of
+# staging buffer or a host chunk before that event completed: ``chunk()``, the next ``accept`` of
 # the same bucket and ``clear()`` synchronize on it first. On CPU the same path runs with
 # ordinary copies and no events.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from hf_lowzero.zero.buckets import Bucket
+from hf_lowzero.zero.layout import bucket_view, piece_view
 from hf_lowzero.zero.params import ParamSlot
 
 MASTER_DTYPE = torch.float32
@@ -38,8 +39,8 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.zeros(numel, dtype=dtype, pin_memory=pin)
 
 
-class DeviceGradRows:
-    """fp32 gradient rows on the params' device."""
+class DeviceGradStore:
+    """fp32 gradients of this rank's pieces, on the params' device."""
 
     offloaded = False
 
@@ -47,23 +48,23 @@ class DeviceGradRows:
         self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=MASTER_DTYPE, device=device)
 
     def view(self, bucket: Bucket) -> torch.Tensor:
-        return self.flat[bucket.row_offset : bucket.row_offset + bucket.row_numel]
+        return bucket_view(self.flat, bucket)
 
-    def view_of(self, slot: ParamSlot) -> torch.Tensor:
+    def piece(self, slot: ParamSlot) -> torch.Tensor:
         """One param's piece (1D, ``row_numel``, possibly empty); valid for the store's lifetime."""
-        return self.flat[slot.row_offset : slot.row_offset + slot.row_numel]
+        return piece_view(self.flat, slot)
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         """Where a collective may write its result itself (saving a copy), or None."""
         return self.view(bucket) if first and dtype == MASTER_DTYPE else None
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
-        rows = self.view(bucket)
-        if reduced.data_ptr() == rows.data_ptr():
-            return  # the collective wrote into the rows (direct_target)
-        rows.copy_(reduced) if first else rows.add_(reduced)
+        chunk = self.view(bucket)
+        if reduced.data_ptr() == chunk.data_ptr():
+            return  # the collective wrote into the chunk (direct_target)
+        chunk.copy_(reduced) if first else chunk.add_(reduced)
 
-    def rows(self, bucket: Bucket) -> torch.Tensor:
+    def chunk(self, bucket: Bucket) -> torch.Tensor:
         return self.view(bucket)
 
     def clear(self) -> None:
@@ -74,8 +75,8 @@ class DeviceGradRows:
         return [self.flat]
 
 
-class HostGradRows(DeviceGradRows):
-    """fp32 gradient rows in host memory (optimizer offload); see [Note: host copies]."""
+class HostGradStore(DeviceGradStore):
+    """fp32 gradients in host memory (optimizer offload); see [Note: host copies]."""
 
     offloaded = True
 
@@ -85,20 +86,20 @@ class HostGradRows(DeviceGradRows):
         self.flat = host_buffer(sum(b.row_numel for b in buckets), MASTER_DTYPE, self.pin)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> host buffer in the comm dtype
-        self._pending: dict[int, tuple] = {}  # bucket index -> (host rows, staging or None, event or None, first)
+        self._pending: dict[int, tuple] = {}  # bucket index -> (host chunk, staging or None, event or None, first)
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
-        # On CPU the host rows are the device's memory: reduce straight into them.
+        # On CPU the host chunk are the device's memory: reduce straight into them.
         return self.view(bucket) if first and dtype == MASTER_DTYPE and self.stream is None else None
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
-        rows = self.view(bucket)
-        if reduced.data_ptr() == rows.data_ptr():
-            return  # the collective wrote into the rows (direct_target: CPU, fp32, first contribution)
+        chunk = self.view(bucket)
+        if reduced.data_ptr() == chunk.data_ptr():
+            return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
         self._resolve(bucket.index)  # a previous micro-batch's copy of this bucket
-        # An fp32 first contribution lands in the host rows directly; anything to add is staged.
+        # An fp32 first contribution lands in the host chunk directly; anything to add is staged.
         direct = first and reduced.dtype == MASTER_DTYPE
-        target = rows if direct else self._staging_for(bucket, reduced.dtype)
+        target = chunk if direct else self._staging_for(bucket, reduced.dtype)
         event = None
         if self.stream is None:
             target.copy_(reduced)
@@ -111,7 +112,7 @@ class HostGradRows(DeviceGradRows):
                 reduced.record_stream(self.stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-        self._pending[bucket.index] = (rows, None if direct else target, event, first)
+        self._pending[bucket.index] = (chunk, None if direct else target, event, first)
 
     def _staging_for(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
         staging = self._staging.get(bucket.index)
@@ -124,13 +125,13 @@ class HostGradRows(DeviceGradRows):
         entry = self._pending.pop(index, None)
         if entry is None:
             return
-        rows, staging, event, first = entry
+        chunk, staging, event, first = entry
         if event is not None:
             event.synchronize()  # [Note: host copies]: never read before the copy completed
         if staging is not None:
-            rows.copy_(staging) if first else rows.add_(staging)
+            chunk.copy_(staging) if first else chunk.add_(staging)
 
-    def rows(self, bucket: Bucket) -> torch.Tensor:
+    def chunk(self, bucket: Bucket) -> torch.Tensor:
         self._resolve(bucket.index)
         return self.view(bucket)
 
@@ -144,7 +145,7 @@ class HostGradRows(DeviceGradRows):
         return [self.flat, *self._staging.values()]
 
 
-def make_grad_rows(buckets: list[Bucket], device: torch.device, offload: bool, pin_memory: bool):
+def make_grad_store(buckets: list[Bucket], device: torch.device, offload: bool, pin_memory: bool):
     if offload:
-        return HostGradRows(buckets, device, pin_memory)
-    return DeviceGradRows(buckets, device)
+        return HostGradStore(buckets, device, pin_memory)
+    return DeviceGradStore(buckets, device)
