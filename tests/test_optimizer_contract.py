@@ -278,3 +278,17 @@ def test_chained_optimizer_is_one_torch_optimizer(single_rank_group):
         ChainedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1))
     fresh, fresh_chain = build(2)
     assert LowLevelZeroOptimizer(fresh, fresh_chain).partition == "params"
+
+
+def test_inner_optimizer_attributes_are_reachable(single_rank_group):
+    """What code reads off the optimizer Trainer built (bitsandbytes' ``mng``, settings of its own)
+    reads through to the inner optimizer; private names and missing ones are AttributeErrors."""
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner.custom_setting = 3
+    opt = LowLevelZeroOptimizer(model, inner)
+    assert opt.custom_setting == 3
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        opt.missing
+    with pytest.raises(AttributeError):
+        opt._private_thing

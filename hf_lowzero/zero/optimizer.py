@@ -187,6 +187,15 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             return slot.shard.row_of(value, self.rank).to(self.master.flat).view(master.shape)
         return value.clone() if isinstance(value, torch.Tensor) else value
 
+    def __getattr__(self, name: str) -> Any:
+        # Public attributes of the inner optimizer that this class does not define (bitsandbytes'
+        # ``mng``, an optimizer's own settings): code holding the optimizer Trainer built reaches
+        # them as it would without ZeRO. Only reached when normal lookup failed.
+        inner = self.__dict__.get("optim")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The model's params in the inner optimizer's groups, with their (synced) hyperparameters."""
