@@ -164,8 +164,15 @@ def state_inner(kind: str, params: list[torch.nn.Parameter]) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def states_body(rank: int, world_size: int, kind: str, mode: str, out: str) -> None:
-    model = gpt2(2, 256)
+STATE_MODELS = {  # name: (n_layer, n_embd, vocab)
+    "gpt2_2x256_v8192": (2, 256, 8192),  # the tied embedding is 57% of the params: one tensor > total/W
+    "gpt2_4x256_v1024": (4, 256, 1024),  # no tensor over 8% of the params
+}
+
+
+def states_body(rank: int, world_size: int, kind: str, mode: str, model_name: str, out: str) -> None:
+    n_layer, n_embd, vocab = STATE_MODELS[model_name]
+    model = gpt2(n_layer, n_embd, vocab=vocab)
     psi = sum(p.numel() for p in model.parameters())
     if mode == "ddp":
         ddp = DDP(model)
@@ -175,7 +182,7 @@ def states_body(rank: int, world_size: int, kind: str, mode: str, out: str) -> N
         zero = LowLevelZeroOptimizer(model, state_inner(kind, list(model.parameters())), stage=2)
         state_of = zero.optim.state
     for step in range(STEPS):
-        x = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(rank + 10 * step))
+        x = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(rank + 10 * step))
         if zero is None:
             ddp(input_ids=x, labels=x).loss.backward()
             opt.step()
@@ -196,7 +203,7 @@ def states_body(rank: int, world_size: int, kind: str, mode: str, out: str) -> N
         formula = 4 + 4 + k if mode == "ddp" else 4 + (4 + 4 + k) / world_size  # fp32 params, master, grad rows
         worst_state, worst_held = max(s for s, _ in per_rank), max(h for _, h in per_rank)
         Path(out).write_text(json.dumps({
-            "optimizer": kind, "mode": mode, "world_size": world_size, "params_M": psi / 1e6,
+            "model": model_name, "optimizer": kind, "mode": mode, "world_size": world_size, "params_M": psi / 1e6,
             "state_B_per_param": worst_state / psi, "model_state_B_per_param": worst_held / psi,
             "formula_B_per_param": formula, "vs_formula": worst_held / psi / formula,
         }))  # fmt: skip
@@ -204,29 +211,30 @@ def states_body(rank: int, world_size: int, kind: str, mode: str, out: str) -> N
 
 def states_table() -> None:
     rows: list[dict] = []
-    for kind, (package, _) in STATE_KINDS.items():
-        if package and importlib.util.find_spec(package) is None:
-            print(f"{kind}: skipped, {package} is not installed (pip install -e .[test])", flush=True)
-            continue
-        for world in (1, 2, 4):
-            for mode in ("ddp", "zero2"):
-                row = collect(states_body, world, kind=kind, mode=mode)
-                ddp = next(
-                    (r for r in rows if (r["optimizer"], r["mode"], r["world_size"]) == (kind, "ddp", world)), row
-                )
-                row["vs_ddp"] = row["model_state_B_per_param"] / ddp["model_state_B_per_param"]
-                rows.append(row)
-                print(row, flush=True)
+    for model_name in STATE_MODELS:
+        for kind, (package, _) in STATE_KINDS.items():
+            if package and importlib.util.find_spec(package) is None:
+                print(f"{kind}: skipped, {package} is not installed (pip install -e .[test])", flush=True)
+                continue
+            for world in (1, 2, 4):
+                for mode in ("ddp", "zero2"):
+                    row = collect(states_body, world, kind=kind, mode=mode, model_name=model_name)
+                    key = (model_name, kind, "ddp", world)
+                    same = [r for r in rows if (r["model"], r["optimizer"], r["mode"], r["world_size"]) == key]
+                    row["vs_ddp"] = row["model_state_B_per_param"] / (same or [row])[0]["model_state_B_per_param"]
+                    rows.append(row)
+                    print(row, flush=True)
     header = (
-        "# Bytes per parameter per rank: AdamW fp32 states against 8-bit states, DDP against ZeRO-2 (GPT-2 2x256)\n\n"
+        "# Bytes per parameter per rank: AdamW fp32 states against 8-bit states, DDP against ZeRO-2\n\n"
         "`python benchmarks/memory.py --part states`: fp32 params, 2 steps; the largest rank. model_state = params\n"
         "+ gradients (DDP: full `.grad`; ZeRO-2: fp32 gradient rows) + fp32 master rows (ZeRO) + optimizer state.\n"
         "Formula: DDP 4 + 4 + K, ZeRO-2 4 + (4 + 4 + K)/W, with K = 8 bytes of AdamW state per element, 2 for\n"
         "8-bit states (plus block scales; bitsandbytes keeps tensors under 4096 elements in 32 bits). 8-bit\n"
-        "optimizers get whole-parameter ownership: the largest rank holds at least the largest tensor (the\n"
-        "8192x256 tied embedding, 57% of this model), so at W=4 it sits above the formula."
+        "optimizers get whole-parameter ownership: the largest rank holds at least the largest tensor. On\n"
+        "gpt2_2x256_v8192 that is the 8192x256 tied embedding, 57% of the params, so that rank sits above the\n"
+        "formula at W=2 and 4; on gpt2_4x256_v1024 no tensor holds more than 8%."
     )
-    cols = ["optimizer", "mode", "world_size", "params_M", "state_B_per_param", "model_state_B_per_param"]
+    cols = ["model", "optimizer", "mode", "world_size", "params_M", "state_B_per_param", "model_state_B_per_param"]
     print(write_results("memory_states", rows, cols + ["formula_B_per_param", "vs_formula", "vs_ddp"], header))
 
 
