@@ -20,10 +20,13 @@ param; ``state_dict()`` numbers params across the chain as torch does for one op
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
+
+from hf_lowzero.zero.groups import HOOK_TABLES
 
 
 class _ChainState(MutableMapping):
@@ -74,15 +77,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.optimizers = list(optimizers)
         self.defaults = dict(optimizers[0].defaults)
         self._state = _ChainState(self)
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, {})
+        for name in HOOK_TABLES:
+            setattr(self, name, OrderedDict())
 
     def __repr__(self) -> str:
         return f"ChainedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"

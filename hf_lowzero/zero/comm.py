@@ -143,15 +143,25 @@ def reduce_scatter(
     chunks = input.view(world_size, -1)
     received = (torch.empty_like(input) if workspace is None else workspace).view(world_size, -1)
     works = _exchange(list(chunks), list(received), group)
+    return _settle(_Exchange(works, _rank_order_sum(output, chunks[rank], received, rank)), async_op)
 
-    def rank_order_sum() -> None:
-        parts = [chunks[r] if r == rank else received[r] for r in range(world_size)]
+
+def _rank_order_sum(output: torch.Tensor, own: torch.Tensor, received: torch.Tensor, rank: int):
+    """The local part of a reduction: ``output`` = the W chunks summed in rank order, this rank's
+    own chunk from ``own``, the peers' from ``received`` (``[W, n]``)."""
+
+    def finish() -> None:
+        parts = [own if r == rank else received[r] for r in range(received.shape[0])]
         if output.data_ptr() != parts[0].data_ptr():
             output.copy_(parts[0])
         for part in parts[1:]:
             output.add_(part)
 
-    pending = _Exchange(works, rank_order_sum)
+    return finish
+
+
+def _settle(pending: _Exchange, async_op: bool):
+    """The handle of an async call; otherwise wait now and return None, as torch.distributed does."""
     if async_op:
         return pending
     pending.wait()
@@ -210,17 +220,7 @@ def reduce_to_owners(
             )
         ]
 
-    def rank_order_sum() -> None:
-        rows = [parts[r] if r == rank else received[r] for r in range(world_size)]
-        output.copy_(rows[0])
-        for row in rows[1:]:
-            output.add_(row)
-
-    pending = _Exchange(works, rank_order_sum)
-    if async_op:
-        return pending
-    pending.wait()
-    return None
+    return _settle(_Exchange(works, _rank_order_sum(output, parts[rank], received, rank)), async_op)
 
 
 def gather_from_owners(
@@ -240,11 +240,7 @@ def gather_from_owners(
                 output, input.repeat(world_size), list(chunks), [input.numel()] * world_size, group=group, async_op=True
             )
         ]
-    pending = _Exchange(works)
-    if async_op:
-        return pending
-    pending.wait()
-    return None
+    return _settle(_Exchange(works), async_op)
 
 
 def barrier(group: ProcessGroup | None) -> None:

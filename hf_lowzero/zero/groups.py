@@ -25,6 +25,16 @@ from typing import Any
 import torch
 
 NOT_HYPERPARAMETERS = ("params", "param_names")
+# The hook tables torch.optim.Optimizer's step/state_dict wrappers and LR schedulers expect; an
+# optimizer that presents another's groups (and skips Optimizer.__init__) still needs them.
+HOOK_TABLES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
 _MISSING = object()
 
 

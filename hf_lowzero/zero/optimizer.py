@@ -45,7 +45,7 @@ from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_store import make_grad_store
-from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
+from hf_lowzero.zero.groups import HOOK_TABLES, NOT_HYPERPARAMETERS, ParamGroups
 from hf_lowzero.zero.inner import (
     carry_bitsandbytes_overrides,
     has_taken_steps,
@@ -58,15 +58,6 @@ from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
 from hf_lowzero.zero.params import WrapGuard, managed_slots
 from hf_lowzero.zero.reducer import BucketReducer
 from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
-
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 
 
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
@@ -159,7 +150,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: it would build param groups and state of its own. The hook
         # tables are what Optimizer's step/state_dict wrappers and LR schedulers expect.
         self.defaults = optimizer.defaults
-        for name in _HOOK_DICTS:
+        for name in HOOK_TABLES:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
 
