@@ -86,13 +86,14 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
             attrs, _ = value.__tensor_flatten__()
             for attr in attrs:
                 tensors[state_key(name, f"{key}.{attr}")] = getattr(value, attr).detach().cpu().clone()
-        records[name] = _state_record(view, pos)
+        if shard.whole:  # row-shard params: every rank holds the same kind of state, rank 0 describes it
+            records[name] = _state_record(view, pos)
     own_file = partial / rank_file_name(view.rank, view.world_size)
     _write_tensors(own_file, tensors)
     if os.environ.get(CRASH_POINT_ENV) == "after_rank_files":
         os._exit(17)
 
-    # Each param's state is described by a rank that holds it (whole params: only their owner).
+    # A whole param's state is described by its owner, the only rank holding it.
     gathered = comm.all_gather_object((own_file.stat().st_size, records), group)
     if view.rank == 0:
         sizes = [size for size, _ in gathered]
@@ -143,7 +144,7 @@ def _state_record(view: ShardView, pos: int) -> dict[str, Any]:
 def _metadata(
     view: ShardView, described: dict[str, Any], extras, stored: bool, sizes: list[int], partial: Path
 ) -> dict[str, Any]:
-    params = {name: described[name] for name in view.names}
+    params = {name: described.get(name) or _state_record(view, pos) for pos, name in enumerate(view.names)}
     groups = [
         {
             "hyperparameters": {k: scalar_to_json(v) for k, v in g.items() if k not in ("params", "param_names")},

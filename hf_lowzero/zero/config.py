@@ -56,6 +56,9 @@ def check_stage(value: object, field_name: str, allow_off: bool = False) -> int:
     return int(value)
 
 
+PARTITIONS = ("auto", "rows", "params")  # ZeroConfig.partition: see [Note: two ways to own a parameter]
+
+
 @dataclass(kw_only=True)
 class ZeroConfig:
     """Configuration of :class:`hf_lowzero.LowLevelZeroOptimizer` (see docs/architecture.md)."""
@@ -144,7 +147,7 @@ class ZeroConfig:
         for name in ("overlap_communication", "offload_optimizer", "pin_memory", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected True or False")
-        if self.partition not in ("auto", "rows", "params"):
+        if self.partition not in PARTITIONS:
             raise ValueError(
                 f"ZeroConfig.partition={self.partition!r} is invalid; expected 'auto', 'rows' (slices of every "
                 "tensor: element-wise optimizers) or 'params' (whole tensors: any optimizer)"

@@ -22,19 +22,19 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # (benchmarks/offload.py measures it); used when the user left the kernel choice open.
 FUSED_ON_CPU: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
-PARTITIONS = ("auto", "rows", "params")
 
 
 def partition_for(optimizer: torch.optim.Optimizer, partition: str, allow_untested: bool) -> str:
     """``choose_partition`` for an optimizer instance; a ``ChainedOptimizer`` gets rows only when
     every optimizer in it may have them."""
-    chained = getattr(optimizer, "optimizers", None) if isinstance(optimizer, ChainedOptimizer) else None
-    choices = [choose_partition(type(o), partition, allow_untested) for o in chained or [optimizer]]
+    optimizers = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    choices = [choose_partition(type(o), partition, allow_untested) for o in optimizers]
     return "params" if "params" in choices else "rows"
 
 
 def choose_partition(cls: type, partition: str, allow_untested: bool) -> str:
-    """``"rows"`` or ``"params"`` for an inner optimizer of class ``cls``.
+    """``"rows"`` or ``"params"`` for an inner optimizer of class ``cls`` (``partition``: a value
+    ``ZeroConfig`` validated).
 
     ``"auto"`` picks rows for the known element-wise optimizers (and for any other class when
     ``allow_untested`` vouches that it is element-wise), whole params for everything else.
@@ -47,15 +47,18 @@ def choose_partition(cls: type, partition: str, allow_untested: bool) -> str:
         >>> choose_partition(torch.optim.LBFGS, "auto", allow_untested=False)
         'params'
     """
-    if partition not in PARTITIONS:
-        raise ValueError(f"partition={partition!r} is invalid; expected one of {PARTITIONS}")
     if partition == "params":
         return "params"
     if partition == "rows":
         check_optimizer_class(cls, allow_untested)
         return "rows"
-    whole = any(base.__name__ in WHOLE_TENSOR_OPTIMIZERS for base in cls.__mro__)
-    return "rows" if not whole and (issubclass(cls, ELEMENTWISE_OPTIMIZERS) or allow_untested) else "params"
+    elementwise = issubclass(cls, ELEMENTWISE_OPTIMIZERS) or allow_untested
+    return "rows" if whole_tensor_style(cls) is None and elementwise else "params"
+
+
+def whole_tensor_style(cls: type) -> str | None:
+    """The known whole-tensor optimizer ``cls`` is or derives from (``"Adafactor"``, ...), or None."""
+    return next((base.__name__ for base in cls.__mro__ if base.__name__ in WHOLE_TENSOR_OPTIMIZERS), None)
 
 
 def check_optimizer_class(cls: type, allow_untested: bool) -> None:
@@ -65,7 +68,7 @@ def check_optimizer_class(cls: type, allow_untested: bool) -> None:
 
         >>> check_optimizer_class(torch.optim.AdamW, allow_untested=False)
     """
-    whole = next((base.__name__ for base in cls.__mro__ if base.__name__ in WHOLE_TENSOR_OPTIMIZERS), None)
+    whole = whole_tensor_style(cls)
     if whole is not None:
         raise ValueError(
             f"{cls.__name__} updates each parameter from the whole tensor ({whole}-style), which is "
