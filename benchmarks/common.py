@@ -199,12 +199,12 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], header: str) -> str:
+def write_results(name: str, rows: list[dict], columns: list[str], header: str, footer: str = "") -> str:
     RESULTS.mkdir(exist_ok=True)
     table = markdown_table(rows, columns)
-    (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}")
+    (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}{footer}")
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
-    return table
+    return table + footer
 
 
 def bar_plot(path: Path, labels: list[str], values: list[float], spans=None, xlabel="", title="", ref=1.0) -> None:

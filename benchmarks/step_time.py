@@ -4,8 +4,8 @@
     python benchmarks/step_time.py --rounds 5   # fewer rounds, wider spreads
 
 All setups of one model live in the same process group and are timed in turns, A B C A B C ...,
-ROUNDS rounds of STEPS optimizer steps each (after warm-up), so that a machine that drifts or
-hiccups affects every setup alike. Reported: the median step time over rounds, and the ratios to
+ROUNDS rounds of a few optimizer steps each (per model, ~0.3-0.5 s a round; after warm-up), so that a
+machine that drifts or hiccups affects every setup alike. Reported: the median step time over rounds, and the ratios to
 both DDP baselines of the same model computed per round (median, min, max).
 
 Setups (``benchmarks.common.Setup``): ``ddp`` is DDP with ``torch.optim.AdamW(model.parameters())``
@@ -17,9 +17,11 @@ optimizer; skipped with a printed line when DeepSpeed is not installed) and ``ze
 (ours). All train the same fp32 model (dropout off) on the same per-rank data with the same AdamW
 hyperparameters; ``max_param_diff`` is the largest absolute difference of any param from DDP's
 after all the timed steps, so each row shows it trained the same thing. Models: GPT-2 4x256 (5.6M
-params, 52 tensors), 300 tiny Linear layers (600 tensors) and 1000 of them (2000 tensors), which
+params, 52 tensors), 150 tiny Linear layers (300 tensors) and 1000 of them (2000 tensors), which
 expose per-parameter overhead. ``ms_our_python`` is the self time of hf_lowzero's own Python
-functions per step (cProfile over extra steps, outside the timed rounds and after the parity check).
+functions per step (cProfile over extra steps, outside the timed rounds and after the parity check);
+the last lines compare it between the two tiny-layer models (host work per bucket, not per tensor,
+keeps it nearly flat: [Note: one hook per bucket]).
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 
-ROUNDS, STEPS, WARMUP, PROFILED = 15, 3, 2, 3
+ROUNDS, WARMUP, PROFILED = 15, 2, 3
 PACKAGE = str(Path(__file__).resolve().parents[1] / "hf_lowzero")
-MODELS = {  # name: (build, micro-batches per step)
-    "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 1),
-    "gpt2_accum4": (lambda: gpt2(4, 256, dropout=0.0), 4),
-    "many_small_600": (lambda: ManySmall(300), 1),
-    "many_small_2000": (lambda: ManySmall(1000), 1),
+MODELS = {  # name: (build, micro-batches per step, steps per round: ~0.3-0.5 s per round)
+    "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 1, 3),
+    "gpt2_accum4": (lambda: gpt2(4, 256, dropout=0.0), 4, 1),
+    "many_small_300": (lambda: ManySmall(150), 1, 30),
+    "many_small_2000": (lambda: ManySmall(1000), 1, 6),
 }
 
 
@@ -90,7 +92,7 @@ def ratios(times: dict[str, list[float]], name: str, baseline: str) -> dict[str,
 def body(rank: int, world_size: int, out: str, names: list[str], rounds: int) -> None:
     torch.set_num_threads(1)
     rows = []
-    for kind, (build, micro) in MODELS.items():
+    for kind, (build, micro, steps) in MODELS.items():
         loss_of = loss_fn(kind, rank)
         setups = [Setup(name, build(), micro) for name in names]
         torch.set_num_threads(1)  # whatever a library set while initializing
@@ -102,9 +104,9 @@ def body(rank: int, world_size: int, out: str, names: list[str], rounds: int) ->
             for setup in setups:
                 dist.barrier()
                 start = time.perf_counter()
-                for _ in range(STEPS):
+                for _ in range(steps):
                     setup.step(loss_of)
-                times[setup.name].append(1000 * (time.perf_counter() - start) / STEPS)
+                times[setup.name].append(1000 * (time.perf_counter() - start) / steps)
         for setup in setups:
             row = {"model": kind, "setup": setup.name, "ms_per_step": statistics.median(times[setup.name])}
             row.update({f"vs_ddp{k}": v for k, v in ratios(times, setup.name, "ddp").items()})
@@ -139,8 +141,9 @@ def main() -> None:
     rows = collect(body, 2, names=names, rounds=rounds)
     header = (
         "# Step time, world size 2, CPU/gloo, 1 thread per rank\n\n"
-        f"`python benchmarks/step_time.py --rounds {rounds}`: setups interleaved, {rounds} rounds of {STEPS} steps "
-        f"after {WARMUP} warm-up steps; ms_per_step = median over rounds; vs_ddp = the per-round ratio to DDP with "
+        f"`python benchmarks/step_time.py --rounds {rounds}`: setups interleaved, {rounds} rounds of "
+        f"{', '.join(f'{steps} ({kind})' for kind, (_, _, steps) in MODELS.items())} steps after {WARMUP} warm-up "
+        "steps; ms_per_step = median over rounds; vs_ddp = the per-round ratio to DDP with "
         "torch's default AdamW kernel (the for-loop on CPU), vs_ddp_fused = the per-round ratio to DDP with fused "
         "AdamW (median, min, max of each); max_param_diff = the largest absolute difference of any param from "
         "DDP's (default kernel) after all those steps (fp32, dropout off, same data); ms_our_python = self time "
@@ -154,7 +157,13 @@ def main() -> None:
     )
     columns = ["model", "setup", "ms_per_step", "vs_ddp", "vs_ddp_min", "vs_ddp_max", "vs_ddp_fused"]
     columns += ["vs_ddp_fused_min", "vs_ddp_fused_max", "max_param_diff", "ms_our_python", "buckets"]
-    print(write_results("step_time", rows, columns, header))
+    python = {(r["model"], r["setup"]): r["ms_our_python"] for r in rows if r["ms_our_python"] != ""}
+    lines = []
+    for setup in ("zero1", "zero2"):
+        many, few = python["many_small_2000", setup], python["many_small_300", setup]
+        lines.append(f"- {setup}: {many:.2f} ms with 2,000 tensors / {few:.2f} ms with 300 = {many / few:.2f}x")
+    footer = "\n\nOur Python per step (`ms_our_python`), 2,000 tiny tensors against 300:\n\n" + "\n".join(lines) + "\n"
+    print(write_results("step_time", rows, columns, header, footer))
     bar_plot(
         RESULTS / "step_time.png",
         [f"{r['model']} {r['setup']}" for r in rows],

@@ -96,19 +96,19 @@ def test_launcher_launches_in_plan_order_whatever_the_ready_order():
     events = []
     launcher = PlanOrderLauncher(buckets, launch=launched(events), finish=finished(events), max_in_flight=2)
     # The last bucket in the plan becomes complete first: nothing may launch yet.
-    for slot in buckets[2].slots:
-        launcher.mark_ready(slot)
-    launcher.launch_ready()
+    ready = {2}
+    launcher.launch_ready(2, ready.__contains__)
     assert events == []
-    for slot in buckets[0].slots:
-        launcher.mark_ready(slot)
-    launcher.launch_ready()
+    ready.add(0)
+    launcher.launch_ready(2, ready.__contains__)
+    assert events == [("launch", 0)]
+    launcher.launch_ready(0, lambda index: True)  # nothing past the furthest bucket reached
     assert events == [("launch", 0)]
     launcher.launch_all(overlap=True)  # bucket 1 never became ready: launched at the end, in order
     assert [e for e in events if e[0] == "launch"] == [("launch", 0), ("launch", 1), ("launch", 2)]
     assert events.index(("finish", 0)) < events.index(("launch", 2))  # at most two in flight
     assert sorted(e for e in events if e[0] == "finish") == [("finish", i) for i in range(3)]
-    assert launcher.phase == [BucketState.WAITING] * 3 and launcher.pending == [len(b.slots) for b in buckets]
+    assert launcher.phase == [BucketState.WAITING] * 3 and not launcher.mid_backward
 
 
 def test_launcher_without_overlap_waits_for_each_bucket():

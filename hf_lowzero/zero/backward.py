@@ -1,29 +1,62 @@
-"""Backward-time machinery: per-parameter hooks, plan-order bucket launches, the end-of-backward
+"""Backward-time machinery: one hook per bucket, plan-order bucket launches, the end-of-backward
 flush, ``no_sync`` bookkeeping, and recovery from a backward that raised.
 
 Example::
 
     sync = BackwardSync(slots, buckets, reducer, overlap=True, guard=WrapGuard(slots).check)
-    loss.backward()        # hooks launch complete buckets; the queued callback flushes the rest
+    loss.backward()        # bucket hooks launch complete buckets; the queued callback flushes the rest
     sync.reset()           # after a backward that raised: wait for its collectives, forget it
+
+# [Note: one hook per bucket]
+# Host work in backward grows with the number of buckets, not of parameters. A Python hook per
+# parameter costs about a microsecond to call before its body runs: several milliseconds per step
+# on a model of 2,000 small tensors (LoRA adapters), which DDP's C++ hooks do not pay. So each
+# bucket has one post-accumulate-grad hook, on the param that backward reaches last in it (the
+# earliest registered: buckets follow reverse registration order). When it fires, the buckets up to
+# it are checked in plan order, and each whose params all got their gradient in this backward is
+# launched; the check is a C-level scan of the params' ``.grad``. A bucket that is not complete
+# then (a param unused on this rank, an order other than expected) waits for a later bucket's hook
+# or for the end-of-backward flush, which launches every remaining bucket with zeros for missing
+# gradients. Which params this rank used is read from ``.grad`` when a bucket is packed.
+#
+# "Got its gradient in this backward" is "has a ``.grad``" when the backward began with none: every
+# flush frees them all. Stage 1's ``no_sync`` leaves the accumulated ones in place, so leaving
+# ``no_sync`` records each ``.grad`` and its version counter (autograd's in-place accumulation
+# bumps it, an out-of-place one makes a new tensor), and until the next flush a param counts as
+# ready once its ``.grad`` is another tensor or a newer version. Gradients that no flush consumed
+# (every backward of a step under ``no_sync``; a bare backward in which no bucket hook fired) are
+# flushed before the norm is taken (``flush_loose``).
+#
+# The end of backward: ``opt.backward(loss)`` flushes after autograd returns, on every rank, also
+# on one whose loss reached no parameter. A bare ``loss.backward()`` flushes from an autograd
+# callback queued by the first bucket hook that fires; on a rank where none fires (its loss reached
+# none of the buckets' last params) the gradients wait for ``step()``, which flushes them in the
+# same plan order. That keeps every rank's collectives in the same sequence only if it was the
+# step's last backward: where a rank's loss may miss the model, call ``opt.backward``.
 
 # [Note: failed backward]
 # An exception inside backward (an OOM in a layer's backward, a bad batch) stops autograd midway:
-# some buckets are launched or reduced, some params are marked ready, and the end-of-backward
+# some buckets are launched or reduced, some params hold gradients, and the end-of-backward
 # callback queued by the first hook never runs (autograd drops the callbacks of a failed backward).
 # Nothing of that backward may leak into a later step, and the next backward must start clean.
 # ``zero_grad()`` does both: it waits for the collectives already started (every rank started the
 # same ones when the exception is the same everywhere, as for DDP) and discards every gradient.
 # Until then ``backward()`` and ``step()`` refuse with an error saying to call ``zero_grad()``.
+# ``opt.backward`` always knows it failed; a bare ``loss.backward()`` that raised before any bucket
+# hook fired leaves only gradients in ``.grad`` behind, as it would without ZeRO: call ``zero_grad()`` after
+# catching it.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from itertools import repeat
 
 import torch
 
-from hf_lowzero.zero.buckets import Bucket, BucketState, PlanOrderLauncher
+from hf_lowzero.zero.buckets import Bucket, BucketState, PlanOrderLauncher, Reduction
+from hf_lowzero.zero.layout import GRAD, missing_any
 from hf_lowzero.zero.params import ParamSlot
 from hf_lowzero.zero.reducer import BucketReducer
 
@@ -31,7 +64,7 @@ MAX_IN_FLIGHT = 2  # buckets reducing at once; bounds transient buffer memory
 
 
 class BackwardSync:
-    """Turns per-parameter "gradient ready" events into bucket collectives in plan order."""
+    """Turns backward's progress into bucket collectives in plan order ([Note: one hook per bucket])."""
 
     def __init__(
         self,
@@ -44,46 +77,70 @@ class BackwardSync:
         self.slots = slots
         self.buckets = buckets
         self.overlap = overlap
-        self.launcher = PlanOrderLauncher(buckets, reducer.launch, reducer.finish, max_in_flight=MAX_IN_FLIGHT)
+        self.reducer = reducer
+        self.params = [slot.param for slot in slots]
+        self._bucket_params = [[slot.param for slot in bucket.slots] for bucket in buckets]
+        self._bucket_members = [torch.tensor([slot.index for slot in bucket.slots]) for bucket in buckets]
+        self.launcher = PlanOrderLauncher(buckets, self._launch, reducer.finish, max_in_flight=MAX_IN_FLIGHT)
         self._guard = guard  # run once per backward, before the first bucket can launch
         self.enabled = True  # False inside no_sync()
         self.explicit = False  # inside opt.backward(), which flushes itself when autograd returns
-        self.locally_used = [False] * len(slots)  # got a gradient on this rank since the last step
-        self.unsynced_local_grads = False  # a no_sync backward left gradients in p.grad
-        self.grad_version = 0  # bumped by every gradient; a norm computed before is stale
+        self.failed = False  # opt.backward() raised; zero_grad() clears it
+        self.used = torch.zeros(len(slots), dtype=torch.bool)  # got a gradient on this rank since the last step
+        self.grad_version = 0  # bumped by every flush; a norm computed before is stale
+        self._before: list[list[tuple]] | None = None  # per bucket: (grad, version) left by no_sync
+        self._reached = -1  # plan position of the furthest bucket whose hook fired in this backward
         self._flush_queued = False
-        self.hook_handles = [slot.param.register_post_accumulate_grad_hook(self._hook_for(slot)) for slot in slots]
+        self.hook_handles = [
+            min(bucket.slots, key=lambda s: s.index).param.register_post_accumulate_grad_hook(self._hook_for(bucket))
+            for bucket in buckets
+        ]
 
     @property
     def unfinished(self) -> bool:
-        """A backward started launching buckets (or queued its flush) and never finished."""
-        return self._flush_queued or self.launcher.mid_backward
+        """A backward raised, or started launching buckets (or queued its flush) and never finished."""
+        return self.failed or self._flush_queued or self.launcher.mid_backward
 
-    def _hook_for(self, slot: ParamSlot):
-        # Runs once per parameter per backward: kept to a few attribute updates (see
-        # benchmarks/step_time.py, ms_our_python); the bucket work happens once per bucket.
-        launcher, bucket_index = self.launcher, slot.bucket_index
-        index = slot.index
+    def _hook_for(self, bucket: Bucket):
+        # Runs once per bucket per backward, when the param expected last in it got its gradient.
+        launcher, index = self.launcher, bucket.index
 
         def hook(_param: torch.Tensor) -> None:
-            self.grad_version += 1
-            self.locally_used[index] = True
             if not self.enabled:
-                self.unsynced_local_grads = True
                 return
             if not self.explicit and not self._flush_queued:
                 self._queue_flush()
-            if launcher.phase[bucket_index] is not BucketState.WAITING:
+            if launcher.phase[index] is not BucketState.WAITING:
                 raise RuntimeError(
-                    f"gradient of {slot.name!r} arrived after its bucket was already reduced in this "
-                    "backward. Either a parameter is reached twice through reentrant autograd (use "
-                    "non-reentrant activation checkpointing, use_reentrant=False), or an earlier backward "
-                    "raised and was not followed by optimizer.zero_grad()."
+                    f"a gradient of bucket {index} (parameters {[s.name for s in bucket.slots[:3]]}...) arrived "
+                    "after the bucket was already reduced in this backward. Either a parameter is reached twice "
+                    "through reentrant autograd (use non-reentrant activation checkpointing, use_reentrant=False), "
+                    "or an earlier backward raised and was not followed by optimizer.zero_grad()."
                 )
-            if launcher.mark_ready(slot) and self.overlap:
-                launcher.launch_ready()
+            if index > self._reached:
+                self._reached = index
+            if self.overlap:
+                launcher.launch_ready(self._reached, self._complete)
 
         return hook
+
+    def _complete(self, index: int) -> bool:
+        """Whether every param of bucket ``index`` got its gradient in this backward."""
+        grads = map(GRAD, self._bucket_params[index])
+        if self._before is None:
+            return not any(map(operator.is_, grads, repeat(None)))
+        return all(
+            g is not None and (g is not old or g._version != version)
+            for g, (old, version) in zip(grads, self._before[index])
+        )
+
+    def _launch(self, bucket: Bucket) -> Reduction:
+        grads = list(map(GRAD, self._bucket_params[bucket.index]))
+        members = self._bucket_members[bucket.index]
+        if missing_any(grads):
+            members = members[torch.tensor([g is not None for g in grads], dtype=torch.bool)]
+        self.used[members] = True
+        return self.reducer.launch(bucket, grads)
 
     def _queue_flush(self) -> None:
         # A bare loss.backward(): flush from an end-of-backward callback, queued by the first
@@ -97,17 +154,37 @@ class BackwardSync:
         self._flush_queued = False
         self.flush()
 
+    def mark_start(self) -> None:
+        """Record the gradients already accumulated (leaving ``no_sync``): the next backward's
+        buckets are complete once each of these changed ([Note: one hook per bucket])."""
+        if not any(map(operator.is_not, map(GRAD, self.params), repeat(None))):
+            self._before = None
+            return
+        self._before = [
+            [(g, -1 if g is None else g._version) for g in map(GRAD, params)] for params in self._bucket_params
+        ]
+
     def flush(self) -> None:
         """Launch every bucket not yet launched in this backward, in plan order, and wait."""
         self.launcher.launch_all(self.overlap)
-        self.unsynced_local_grads = False
+        self._before = None
+        self._reached = -1
+        self.grad_version += 1
+
+    def flush_loose(self) -> None:
+        """Flush gradients that no flush consumed (all of a step's backwards ran under ``no_sync``,
+        or a bare backward fired no bucket hook)."""
+        if any(map(operator.is_not, map(GRAD, self.params), repeat(None))):
+            self.flush()
 
     def reset(self) -> None:
         """Forget everything since the last step, a failed backward included ([Note: failed backward])."""
         self.launcher.reset()
         self._flush_queued = False
-        self.locally_used = [False] * len(self.slots)
-        self.unsynced_local_grads = False
+        self.failed = False
+        self._before = None
+        self._reached = -1
+        self.used.zero_()
         self.grad_version += 1
 
     def check_finished(self, action: str) -> None:

@@ -12,11 +12,11 @@ The pieces a rank owns are laid out bucket after bucket in one flat "owned space
 (``layout.py`` holds the packing, unpacking and views).
 
 The plan is frozen once made. What changes during a backward lives elsewhere, each piece in one
-owner: which params of each bucket are still outstanding and each bucket's phase in the
-``PlanOrderLauncher``; each collective in flight in a typed record (``Reduction`` here, ``Gather``
-in ``master.py``) held by whoever waits for it, as FSDP2 keeps its ``AllGatherState`` and
-``ReduceScatterState``; whether a bucket holds reduced gradients since the last step in the
-``BucketReducer``.
+owner: the next bucket to launch and each bucket's phase in the ``PlanOrderLauncher``; whether a
+bucket's gradients are complete in ``BackwardSync`` (``backward.py``); each collective in flight
+in a typed record (``Reduction`` here, ``Gather`` in ``master.py``) held by whoever waits for it,
+as FSDP2 keeps its ``AllGatherState`` and ``ReduceScatterState``; whether a bucket holds reduced
+gradients since the last step in the ``BucketReducer``.
 
 # [Note: bucket order]
 # Buckets are planned once, identically on every rank, and launched strictly in plan order:
@@ -126,11 +126,11 @@ def plan_buckets(
 class PlanOrderLauncher:
     """Launches buckets strictly in plan order (see [Note: bucket order]) with bounded in-flight work.
 
-    Owns the per-backward progress: how many params of each bucket are outstanding and each
-    bucket's phase. ``launch(bucket)`` starts a bucket's collective and returns its ``Reduction``;
-    ``finish(reduction)`` waits for it and consumes the result; both come from the reducer. At
-    most ``max_in_flight`` buckets are REDUCING at once, which bounds the memory of transient
-    bucket buffers.
+    Owns the per-backward progress: the next bucket to launch and each bucket's phase. Whether a
+    bucket's gradients are complete is the caller's question (``launch_ready``'s ``complete``).
+    ``launch(bucket)`` starts a bucket's collective and returns its ``Reduction``;
+    ``finish(reduction)`` waits for it and consumes the result. At most ``max_in_flight`` buckets
+    are REDUCING at once, which bounds the memory of transient bucket buffers.
     """
 
     def __init__(
@@ -146,17 +146,12 @@ class PlanOrderLauncher:
         self.max_in_flight = max_in_flight
         self.next_bucket = 0  # plan position of the next bucket to launch in this backward
         self.in_flight: deque[Reduction] = deque()
-        self.pending = [len(b.slots) for b in buckets]  # params whose gradient has not arrived
         self.phase = [BucketState.WAITING] * len(buckets)
 
-    def mark_ready(self, slot: ParamSlot) -> bool:
-        """One more gradient of ``slot``'s bucket arrived; whether the bucket is now complete."""
-        self.pending[slot.bucket_index] -= 1
-        return self.pending[slot.bucket_index] == 0
-
-    def launch_ready(self) -> None:
-        """Launch, in plan order, every leading bucket whose params are all ready."""
-        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+    def launch_ready(self, upto: int, complete: Callable[[int], bool]) -> None:
+        """Launch, in plan order, every leading bucket up to plan position ``upto`` for which
+        ``complete(index)`` holds; stop at the first that does not."""
+        while self.next_bucket <= upto and complete(self.next_bucket):
             self._launch_next()
 
     def launch_all(self, overlap: bool) -> None:
@@ -175,8 +170,8 @@ class PlanOrderLauncher:
 
     @property
     def mid_backward(self) -> bool:
-        """Some bucket of the current backward is ready or launched but the flush has not run."""
-        return self.next_bucket > 0 or any(n != len(b.slots) for n, b in zip(self.pending, self.buckets))
+        """Some bucket of the current backward is launched but the flush has not run."""
+        return self.next_bucket > 0
 
     def reset(self) -> None:
         """Forget a backward that never finished (it raised): wait for the collectives it started,
@@ -187,7 +182,6 @@ class PlanOrderLauncher:
 
     def _start_over(self) -> None:
         self.next_bucket = 0
-        self.pending = [len(b.slots) for b in self.buckets]
         self.phase = [BucketState.WAITING] * len(self.buckets)
 
     def _launch_next(self) -> None:

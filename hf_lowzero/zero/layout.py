@@ -16,6 +16,10 @@ Example::
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+from itertools import repeat
+
 import torch
 
 from hf_lowzero.zero.buckets import Bucket
@@ -32,41 +36,97 @@ def piece_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     return flat[slot.row_offset : slot.row_offset + slot.row_numel]
 
 
-def pack_bucket(bucket: Bucket, flat: torch.Tensor, world_size: int) -> None:
-    """Copy every param's ``.grad`` into the rank-major ``flat`` buffer, then free it.
+GRAD = operator.attrgetter("grad")
+
+
+def missing_any(grads: list) -> bool:
+    """Whether any entry of ``grads`` is None (C-level scan: ``None in grads`` would call
+    ``Tensor.__eq__`` on every gradient)."""
+    return any(map(operator.is_, grads, repeat(None)))
+
+
+@dataclass(frozen=True, eq=False)
+class PackPlan:
+    """What packing a bucket needs, resolved once per bucket so that a pack costs no Python work
+    per param beyond reading and freeing its ``.grad``.
+
+    ``torch._chunk_cat(grads, dim=0, num_chunks=W)`` splits each tensor into W chunks along dim 0
+    (padding dim 0). That equals our flat layout (W equal pieces of the flattened param, padded at
+    the end) whenever dim 0 divides by W or the tensor is 1D, so those gradients go in as they
+    are; the others (``flatten``: 0-d, or dim 0 not a multiple of W) are viewed 1D first.
+    """
+
+    params: tuple[torch.nn.Parameter, ...]  # in packing order
+    flatten: tuple[int, ...]  # positions whose gradient is viewed 1D before packing
+    chunks: int  # W for row shards, 1 for whole params (plain concatenation)
+
+
+def pack_plan(bucket: Bucket, world_size: int) -> PackPlan:
+    chunks = 1 if bucket.whole else world_size
+    flatten = tuple(
+        i
+        for i, slot in enumerate(bucket.slots)
+        if slot.param.dim() == 0 or (slot.param.dim() > 1 and slot.param.shape[0] % chunks)
+    )
+    return PackPlan(tuple(slot.param for slot in bucket.slots), flatten, chunks)
+
+
+def pack_bucket(
+    bucket: Bucket, flat: torch.Tensor, world_size: int, plan: PackPlan | None = None, grads: list | None = None
+) -> None:
+    """Copy every param's ``.grad`` (or ``grads``, read from them) into the rank-major ``flat``
+    buffer, then free every ``.grad``.
 
     One ``torch._chunk_cat`` kernel (FSDP2's packing op) pads each flattened gradient to a multiple
     of the world size and lays the W chunks out rank-major, whatever the number of params; whole
     params (ordered by owner) are simply concatenated. A param with no gradient contributes zeros
     (see [Note: bucket order]). The result is divided by ``world_size`` so that a SUM collective
-    yields the average.
+    yields the average. ``plan`` is :func:`pack_plan` of the bucket, built once by the caller.
     """
-    grads = []
-    for slot in bucket.slots:
-        grad = slot.param.grad
-        grads.append(
-            torch.zeros(slot.shard.numel, dtype=bucket.dtype, device=bucket.device) if grad is None else grad.view(-1)
-        )
-        slot.param.grad = None
-    chunks = 1 if bucket.whole else world_size
-    torch._chunk_cat(grads, dim=0, num_chunks=chunks, out=flat.view(chunks, bucket.packed_numel // chunks))
+    plan = plan or pack_plan(bucket, world_size)
+    grads = list(map(GRAD, plan.params)) if grads is None else list(grads)
+    if missing_any(grads):
+        grads = [
+            torch.zeros(p.shape, dtype=bucket.dtype, device=bucket.device) if g is None else g
+            for p, g in zip(plan.params, grads)
+        ]
+    for i in plan.flatten:
+        grads[i] = grads[i].reshape(-1)
+    torch._chunk_cat(
+        grads, dim=0, num_chunks=plan.chunks, out=flat.view(plan.chunks, bucket.packed_numel // plan.chunks)
+    )
+    for p in plan.params:
+        p.grad = None
     if world_size > 1:
         flat.div_(world_size)
 
 
-def unpack_targets(bucket: Bucket, world_size: int) -> list[torch.Tensor | None]:
-    """Per param of a row-shard ``bucket``: its ``[W, shard_numel]`` view when its numel divides by W
-    (the gathered rows land in it directly), else None (it needs a temporary to drop the padding)."""
-    return [
+@dataclass(frozen=True, eq=False)
+class UnpackPlan:
+    """Where a gathered bucket goes, resolved once per bucket: the split sizes and, per param, the
+    view of it that receives its part (None: a padded param, through a temporary)."""
+
+    sizes: tuple[int, ...]
+    outs: tuple[torch.Tensor | None, ...]
+    padded: tuple[int, ...]  # positions of the None entries
+
+
+def unpack_targets(bucket: Bucket, world_size: int) -> UnpackPlan:
+    """The :class:`UnpackPlan` of ``bucket``. Row shards: a param whose numel divides by W receives
+    its rows through a ``[W, shard_numel]`` view of itself. Whole params: their flat views."""
+    if bucket.whole:
+        outs = tuple(slot.param.view(-1) for slot in bucket.slots)
+        return UnpackPlan(tuple(slot.shard.numel for slot in bucket.slots), outs, ())
+    outs = tuple(
         slot.param.view(world_size, slot.shard.shard_numel) if slot.shard.padding == 0 else None
         for slot in bucket.slots
-    ]
+    )
+    padded = tuple(i for i, out in enumerate(outs) if out is None)
+    return UnpackPlan(tuple(slot.shard.shard_numel for slot in bucket.slots), outs, padded)
 
 
 @torch.no_grad()
-def unpack_bucket(
-    bucket: Bucket, gathered: torch.Tensor, world_size: int, targets: list[torch.Tensor | None] | None = None
-) -> None:
+def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, world_size: int, targets: UnpackPlan | None = None) -> None:
     """Copy a gathered rank-major bucket (``packed_numel`` flat) into its params.
 
     Row shards (``[W, row_numel]``): one ``split_with_sizes_copy`` kernel writes every param whose
@@ -74,19 +134,14 @@ def unpack_bucket(
     padding. ``targets`` is :func:`unpack_targets` of the bucket, built once by the caller. Whole
     params: the bucket is the params back to back, one ``split_with_sizes_copy`` into them all.
     """
+    plan = unpack_targets(bucket, world_size) if targets is None else targets
     if bucket.whole:
-        sizes = [slot.shard.numel for slot in bucket.slots]
-        torch.split_with_sizes_copy(gathered, sizes, out=[slot.param.view(-1) for slot in bucket.slots])
+        torch.split_with_sizes_copy(gathered, list(plan.sizes), out=list(plan.outs))
         return
-    targets = unpack_targets(bucket, world_size) if targets is None else targets
-    outs = [
-        torch.empty(world_size, slot.shard.shard_numel, dtype=bucket.dtype, device=bucket.device)
-        if target is None
-        else target
-        for slot, target in zip(bucket.slots, targets)
-    ]
-    sizes = [slot.shard.shard_numel for slot in bucket.slots]
-    torch.split_with_sizes_copy(gathered.view(world_size, bucket.row_numel), sizes, dim=1, out=outs)
-    for slot, target, out in zip(bucket.slots, targets, outs):
-        if target is None:
-            slot.param.view(-1).copy_(out.view(-1)[: slot.shard.numel])
+    outs = list(plan.outs)
+    for i in plan.padded:
+        outs[i] = torch.empty(world_size, plan.sizes[i], dtype=bucket.dtype, device=bucket.device)
+    torch.split_with_sizes_copy(gathered.view(world_size, bucket.row_numel), list(plan.sizes), dim=1, out=outs)
+    for i in plan.padded:
+        slot = bucket.slots[i]
+        slot.param.view(-1).copy_(outs[i].view(-1)[: slot.shard.numel])

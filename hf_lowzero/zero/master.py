@@ -61,7 +61,7 @@ class MasterRows:
         else:
             self.flat = torch.zeros(total, dtype=MASTER_DTYPE, device=device)
         self.rows = [piece_view(self.flat, s) for s in slots]
-        self._unpack_targets = {b.index: unpack_targets(b, world_size) for b in buckets if not b.whole}
+        self._unpack_targets = [unpack_targets(b, world_size) for b in buckets]  # views of the params, made once
         self.copy_from_params()
 
     def bucket_rows(self, bucket: Bucket) -> torch.Tensor:
@@ -85,7 +85,7 @@ class MasterRows:
             with record_function("hf_lowzero::all_gather_wait"):
                 comm.wait(gather.work)  # chunk and out stay referenced until here
             with record_function("hf_lowzero::unpack_bucket"):
-                unpack_bucket(gather.bucket, gather.out, self.world_size, self._unpack_targets.get(gather.bucket.index))
+                unpack_bucket(gather.bucket, gather.out, self.world_size, self._unpack_targets[gather.bucket.index])
             self.pool.give(gather.out)
             self._release(gather.bucket, gather.chunk)
 
@@ -95,7 +95,7 @@ class MasterRows:
                 rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
             if self.world_size == 1:  # the rows are the whole params: nothing to gather
                 with record_function("hf_lowzero::unpack_bucket"):
-                    unpack_bucket(bucket, rows, 1, self._unpack_targets.get(bucket.index))
+                    unpack_bucket(bucket, rows, 1, self._unpack_targets[bucket.index])
                 self._release(bucket, rows)
                 continue
             out = self.pool.take(bucket.packed_numel, bucket.dtype, bucket.device)

@@ -116,6 +116,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         # in its shape; None for a param owned elsewhere) and its gradient, fixed views of the stores.
         self._inner_params = [self._held(slot, self.master.rows[slot.index]) for slot in self.slots]
         self._inner_grads = [self._held(slot, self.reducer.store.piece(slot)) for slot in self.slots]
+        for master, grad in zip(self._inner_params, self._inner_grads):
+            if master is not None:
+                master.grad = grad  # for good: a step masks the params used on no rank (_mask_unused)
+        self._masked: set[int] = set()  # slots whose master.grad is None for the coming step
         if self.master.flat.device.type == "cpu":
             prefer_fused_on_cpu(optimizer)
         slot_of = {id(slot.param): slot for slot in self.slots}
@@ -313,9 +317,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows;
         also a backward that raised midway ([Note: failed backward])."""
+        for param in self._sync.params:
+            param.grad = None
+        self._forget_gradients()
+
+    def _forget_gradients(self) -> None:
         self._sync.reset()
-        for slot in self.slots:
-            slot.param.grad = None
         self.reducer.clear()
         self._pending_norm = None
 
@@ -358,6 +365,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync.explicit = True
         try:
             loss.backward(**backward_kwargs)
+        except BaseException:
+            self._sync.failed = True  # [Note: failed backward]
+            raise
         finally:
             self._sync.explicit = False
         if self._sync.enabled:
@@ -382,6 +392,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._sync.enabled = previous
+            if previous:
+                self._sync.mark_start()  # the gradients accumulated so far ([Note: one hook per bucket])
 
     # --------------------------------------------------------------------------------- step
 
@@ -412,10 +424,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             for chunk in reduced:
                 if chunk is not None:
                     chunk.mul_(coef)
-        # Params used on no rank get no gradient: no update, no weight decay, no state.
-        for master, grad, used_anywhere in zip(self._inner_params, self._inner_grads, used):
-            if master is not None:
-                master.grad = grad if used_anywhere else None
+        self._mask_unused(used)
         self._groups.sync()
         with record_function("hf_lowzero::inner_step"):
             self.optim.step()
@@ -423,7 +432,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.copy_master_to_params()
         self.scaler.update(overflow=False)
         self.consecutive_skips = 0
-        self.zero_grad()
+        self._forget_gradients()  # every p.grad was consumed by the flush
         self.last_step_applied = True
         return True
 
@@ -445,19 +454,29 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 "optimizer's params are fixed at construction: edit hyperparameters only"
             )
 
+    def _mask_unused(self, used: torch.Tensor) -> None:
+        """Params used on no rank get no gradient: no update, no weight decay, no state. The
+        masters' ``.grad`` are fixed views of the gradient store; only changes are written."""
+        unused = set((~used).nonzero().flatten().tolist()) if not bool(used.all()) else set()
+        for index in self._masked - unused:
+            self._inner_params[index].grad = self._inner_grads[index]
+        for index in unused - self._masked:
+            if self._inner_params[index] is not None:
+                self._inner_params[index].grad = None
+        self._masked = {i for i in unused if self._inner_params[i] is not None}
+
     def _norm_and_usage(self):
+        self._sync.flush_loose()  # [Note: one hook per bucket]: gradients no backward flushed
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
-            if self._sync.unsynced_local_grads:
-                self._sync.flush()  # stage 1: every backward of this step ran under no_sync()
             reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
             scaled_norm, used = self._global_norm_and_usage(reduced)
             self.last_grad_norm = scaled_norm / self.scaler.scale
             self._pending_norm = (self._sync.grad_version, reduced, scaled_norm, used)
         return self._pending_norm[1:]
 
-    def _global_norm_and_usage(self, reduced: list[torch.Tensor | None]) -> tuple[float, list[bool]]:
+    def _global_norm_and_usage(self, reduced: list[torch.Tensor | None]) -> tuple[float, torch.Tensor]:
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
-        got a gradient on any rank (DDP's unused-parameter detection). Padding rows are zero, so
+        got a gradient on any rank (bool per slot; DDP's unused-parameter detection). Padding rows are zero, so
         the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
         # Computed where the rows live (host memory with offload), reduced on the params' device;
         # norms rather than sums of squares: no temporary as large as the rows. Accumulated in
@@ -468,11 +487,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             torch._foreach_norm(present, 2, dtype=torch.float64) if present else [torch.zeros((), dtype=torch.float64)]
         )
         square_sum = torch.linalg.vector_norm(torch.stack(norms)).square().reshape(1)
-        used = torch.tensor(self._sync.locally_used, dtype=torch.float64)
+        used = self._sync.used.to(torch.float64)
         stats = torch.cat([square_sum.to(self.device), used.to(self.device)])
         comm.all_reduce(stats, self.process_group)
         stats = stats.cpu()
-        return math.sqrt(stats[0].item()), (stats[1:] > 0).tolist()
+        return math.sqrt(stats[0].item()), stats[1:] > 0
 
     def _skip_step(self) -> bool:
         """Count a skipped step, back the loss scale off, discard the gradients; False, or raise

@@ -33,7 +33,7 @@ from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket, Reduction
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.grad_store import DeviceGradStore
-from hf_lowzero.zero.layout import pack_bucket
+from hf_lowzero.zero.layout import pack_bucket, pack_plan
 from hf_lowzero.zero.memory import bytes_by_device
 
 
@@ -60,8 +60,11 @@ class BucketReducer:
         self.pool = pool
         self.holds = [False] * len(buckets)  # per bucket: reduced gradients since the last step
         self._needs_workspace = comm.uses_point_to_point(group)  # a receive buffer per bucket
+        self._pack_plans = [pack_plan(bucket, world_size) for bucket in buckets]
 
-    def launch(self, bucket: Bucket) -> Reduction:
+    def launch(self, bucket: Bucket, grads: list | None = None) -> Reduction:
+        """Pack ``bucket``'s gradients (``grads``, read from its params' ``.grad``, or read now),
+        free them, and start its collective."""
         dtype = self.comm_dtype or bucket.dtype
         direct = self.store.direct_target(bucket, dtype, first=not self.holds[bucket.index])
         taken = []  # pooled buffers this bucket holds until its collective is done
@@ -73,11 +76,11 @@ class BucketReducer:
         if self.world_size == 1:  # nothing to reduce: the packed bucket is this rank's chunk
             out = direct if direct is not None else take(bucket.row_numel)
             with record_function("hf_lowzero::pack_bucket"):
-                pack_bucket(bucket, out, 1)
+                pack_bucket(bucket, out, 1, self._pack_plans[bucket.index], grads)
             return Reduction(bucket, None, out, tuple(taken))
         flat = take(bucket.packed_numel)
         with record_function("hf_lowzero::pack_bucket"):
-            pack_bucket(bucket, flat, self.world_size)
+            pack_bucket(bucket, flat, self.world_size, self._pack_plans[bucket.index], grads)
         if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
             out = direct if direct is not None else take(bucket.row_numel)
             workspace = take(self.world_size * bucket.row_numel)
