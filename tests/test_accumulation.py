@@ -10,6 +10,7 @@ import contextlib
 
 import pytest
 import torch
+from torch import nn
 from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
@@ -27,7 +28,12 @@ def usage(rank: int, step: int, micro: int) -> tuple[bool, bool]:
     return use_a, micro == 0
 
 
-def accumulate_body(rank: int, world_size: int, stage: int, ref_no_sync: bool, partition: str = "rows") -> None:
+def accumulate_body(
+    rank: int, world_size: int, stage: int, ref_no_sync: bool, partition: str = "rows", direct: bool = False
+) -> None:
+    """``direct``: a bare ``loss.backward()``, flushed by the callback a bucket hook queues; after
+    ``no_sync`` the buckets must wait for this backward's gradients, not launch on the accumulated
+    ones ([Note: one hook per bucket]), so the step sends exactly one reduction per bucket."""
     model = BranchyNet()
     ref = ddp_reference(model)
     ref_opt = make_inner("adamw", ref.module)
@@ -44,23 +50,23 @@ def accumulate_body(rank: int, world_size: int, stage: int, ref_no_sync: bool, p
             last = micro == MICRO - 1
             local = opt.no_sync() if (stage == 1 and not last) else contextlib.nullcontext()
             with local:
-                opt.backward(mse_loss(model(x, use_a, use_b), y) / MICRO)
+                loss = mse_loss(model(x, use_a, use_b), y) / MICRO
+                loss.backward() if direct else opt.backward(loss)
             if stage == 1 and not last:
                 assert sum(comm_stats.calls.values()) == 0, "stage 1 must not communicate under no_sync"
             ref_local = ref.no_sync() if (ref_no_sync and not last) else contextlib.nullcontext()
             with ref_local:
                 (mse_loss(ref(x, use_a, use_b), y) / MICRO).backward()
-        if stage == 1:  # one reduce-scatter per bucket per step: the minimum traffic
-            assert comm_stats.calls[reduce] == n_buckets
-        else:
-            assert comm_stats.calls[reduce] == MICRO * n_buckets  # every micro-batch
+        expected = n_buckets if stage == 1 else MICRO * n_buckets  # stage 1: the minimum; 2: every micro-batch
+        assert comm_stats.calls[reduce] == expected
         opt.step()
+        assert comm_stats.calls[reduce] == expected, "nothing may be left for step() to reduce"
         opt.zero_grad()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
         assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
-        assert_params_equal(model, ref.module, f"stage {stage} {partition} step {step}")
+        assert_params_equal(model, ref.module, f"stage {stage} {partition} direct {direct} step {step}")
 
 
 def all_accumulation_cases(rank: int, world_size: int) -> None:
@@ -68,12 +74,57 @@ def all_accumulation_cases(rank: int, world_size: int) -> None:
         for ref_no_sync in (True, False):  # all used / used in an earlier micro-batch only
             accumulate_body(rank, world_size, stage, ref_no_sync)
         accumulate_body(rank, world_size, stage, False, partition="params")
+        accumulate_body(rank, world_size, stage, False, direct=True)
+        for direct in (False, True):
+            reached_first_body(rank, stage, direct)
     synced_micro_batches_body(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_accumulation_matches_ddp(world_size):
     run_distributed(all_accumulation_cases, world_size)
+
+
+class UsedInReverse(nn.Module):
+    """Registered in the reverse of use: backward reaches the earliest registered param, where a
+    bucket's hook sits, first instead of last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.out = nn.Linear(8, 3)
+        self.mid = nn.Linear(8, 8)
+        self.inp = nn.Linear(17, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def reached_first_body(rank: int, stage: int, direct: bool) -> None:
+    """One bucket whose hook fires before the rest of its gradients arrive: after stage 1's
+    ``no_sync`` every param already holds a gradient then, and the bucket must still wait for this
+    backward's (one reduction per step, equal to DDP)."""
+    model = UsedInReverse()
+    ref = ddp_reference(model)
+    ref_opt = make_inner("adamw", ref.module)
+    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage)
+    assert len(opt.buckets) == 1
+    for step in range(2):
+        comm_stats.reset()
+        for micro in range(MICRO):
+            x, y = batch(rank, step, micro)
+            last = micro == MICRO - 1
+            with opt.no_sync() if (stage == 1 and not last) else contextlib.nullcontext():
+                loss = mse_loss(model(x), y) / MICRO
+                loss.backward() if direct else opt.backward(loss)
+            with ref.no_sync() if not last else contextlib.nullcontext():
+                (mse_loss(ref(x), y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+        assert comm_stats.calls["reduce_scatter"] == (1 if stage == 1 else MICRO)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_equal(model, ref.module, f"reached first: stage {stage} direct {direct} step {step}")
 
 
 def synced_micro_batches_body(rank: int, world_size: int) -> None:
