@@ -10,6 +10,7 @@ from a local ``save_pretrained`` directory instead of a tiny GPT-2 built from a 
 The default corpus is ``hf_lowzero/data/zero_notes.txt`` (``--train_file`` for another), as UTF-8 bytes.
 """
 
+import torch.distributed as dist
 from transformers import HfArgumentParser
 
 from hf_lowzero.recipes.clm import ClmArguments, finetune_clm
@@ -28,6 +29,11 @@ def main() -> None:
             f"train_loss={metrics['train_loss']:.4f}"
         )
         print(f"model saved to {args.output_dir}")
+    if dist.is_initialized():
+        # Leave together: a rank that exits while its peer still holds gloo connections to it can
+        # make the peer's transport thread abort the process ("terminate called ..."), after the work is done.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
