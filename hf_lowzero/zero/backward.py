@@ -49,14 +49,12 @@ Example::
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
-from itertools import repeat
 
 import torch
 
 from hf_lowzero.zero.buckets import Bucket, BucketState, PlanOrderLauncher, Reduction
-from hf_lowzero.zero.layout import GRAD, missing_any
+from hf_lowzero.zero.layout import GRAD, holding_any, missing_any
 from hf_lowzero.zero.params import ParamSlot
 from hf_lowzero.zero.reducer import BucketReducer
 
@@ -74,12 +72,10 @@ class BackwardSync:
         overlap: bool,
         guard: Callable[[], None],
     ) -> None:
-        self.slots = slots
-        self.buckets = buckets
         self.overlap = overlap
         self.reducer = reducer
         self.params = [slot.param for slot in slots]
-        self._bucket_params = [[slot.param for slot in bucket.slots] for bucket in buckets]
+        self._bucket_params = [plan.params for plan in reducer.pack_plans]  # in packing order
         self._bucket_members = [torch.tensor([slot.index for slot in bucket.slots]) for bucket in buckets]
         self.launcher = PlanOrderLauncher(buckets, self._launch, reducer.finish, max_in_flight=MAX_IN_FLIGHT)
         self._guard = guard  # run once per backward, before the first bucket can launch
@@ -128,7 +124,7 @@ class BackwardSync:
         """Whether every param of bucket ``index`` got its gradient in this backward."""
         grads = map(GRAD, self._bucket_params[index])
         if self._before is None:
-            return not any(map(operator.is_, grads, repeat(None)))
+            return not missing_any(grads)
         return all(
             g is not None and (g is not old or g._version != version)
             for g, (old, version) in zip(grads, self._before[index])
@@ -157,7 +153,7 @@ class BackwardSync:
     def mark_start(self) -> None:
         """Record the gradients already accumulated (leaving ``no_sync``): the next backward's
         buckets are complete once each of these changed ([Note: one hook per bucket])."""
-        if not any(map(operator.is_not, map(GRAD, self.params), repeat(None))):
+        if not holding_any(self.params):
             self._before = None
             return
         self._before = [
@@ -174,7 +170,7 @@ class BackwardSync:
     def flush_loose(self) -> None:
         """Flush gradients that no flush consumed (all of a step's backwards ran under ``no_sync``,
         or a bare backward fired no bucket hook)."""
-        if any(map(operator.is_not, map(GRAD, self.params), repeat(None))):
+        if holding_any(self.params):
             self.flush()
 
     def reset(self) -> None:

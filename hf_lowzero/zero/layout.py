@@ -39,10 +39,15 @@ def piece_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
 GRAD = operator.attrgetter("grad")
 
 
-def missing_any(grads: list) -> bool:
+def missing_any(grads) -> bool:
     """Whether any entry of ``grads`` is None (C-level scan: ``None in grads`` would call
     ``Tensor.__eq__`` on every gradient)."""
     return any(map(operator.is_, grads, repeat(None)))
+
+
+def holding_any(params) -> bool:
+    """Whether any of ``params`` holds a ``.grad`` (C-level scan)."""
+    return any(map(operator.is_not, map(GRAD, params), repeat(None)))
 
 
 @dataclass(frozen=True, eq=False)

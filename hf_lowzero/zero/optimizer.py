@@ -457,13 +457,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _mask_unused(self, used: torch.Tensor) -> None:
         """Params used on no rank get no gradient: no update, no weight decay, no state. The
         masters' ``.grad`` are fixed views of the gradient store; only changes are written."""
-        unused = set((~used).nonzero().flatten().tolist()) if not bool(used.all()) else set()
+        held = self._inner_params
+        unused = {i for i in (~used).nonzero().flatten().tolist() if held[i] is not None}
         for index in self._masked - unused:
-            self._inner_params[index].grad = self._inner_grads[index]
+            held[index].grad = self._inner_grads[index]
         for index in unused - self._masked:
-            if self._inner_params[index] is not None:
-                self._inner_params[index].grad = None
-        self._masked = {i for i in unused if self._inner_params[i] is not None}
+            held[index].grad = None
+        self._masked = unused
 
     def _norm_and_usage(self):
         self._sync.flush_loose()  # [Note: one hook per bucket]: gradients no backward flushed
@@ -476,8 +476,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def _global_norm_and_usage(self, reduced: list[torch.Tensor | None]) -> tuple[float, torch.Tensor]:
         """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
-        got a gradient on any rank (bool per slot; DDP's unused-parameter detection). Padding rows are zero, so
-        the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes it non-finite."""
+        got a gradient on any rank (bool per slot; DDP's unused-parameter detection). Padding rows
+        are zero, so the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes
+        it non-finite."""
         # Computed where the rows live (host memory with offload), reduced on the params' device;
         # norms rather than sums of squares: no temporary as large as the rows. Accumulated in
         # float64, as DeepSpeed does: an fp32 sum over rows of millions of elements is off by ~1e-4

@@ -60,7 +60,7 @@ class BucketReducer:
         self.pool = pool
         self.holds = [False] * len(buckets)  # per bucket: reduced gradients since the last step
         self._needs_workspace = comm.uses_point_to_point(group)  # a receive buffer per bucket
-        self._pack_plans = [pack_plan(bucket, world_size) for bucket in buckets]
+        self.pack_plans = [pack_plan(bucket, world_size) for bucket in buckets]  # its params, in packing order
 
     def launch(self, bucket: Bucket, grads: list | None = None) -> Reduction:
         """Pack ``bucket``'s gradients (``grads``, read from its params' ``.grad``, or read now),
@@ -76,11 +76,11 @@ class BucketReducer:
         if self.world_size == 1:  # nothing to reduce: the packed bucket is this rank's chunk
             out = direct if direct is not None else take(bucket.row_numel)
             with record_function("hf_lowzero::pack_bucket"):
-                pack_bucket(bucket, out, 1, self._pack_plans[bucket.index], grads)
+                pack_bucket(bucket, out, 1, self.pack_plans[bucket.index], grads)
             return Reduction(bucket, None, out, tuple(taken))
         flat = take(bucket.packed_numel)
         with record_function("hf_lowzero::pack_bucket"):
-            pack_bucket(bucket, flat, self.world_size, self._pack_plans[bucket.index], grads)
+            pack_bucket(bucket, flat, self.world_size, self.pack_plans[bucket.index], grads)
         if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
             out = direct if direct is not None else take(bucket.row_numel)
             workspace = take(self.world_size * bucket.row_numel)
