@@ -102,3 +102,24 @@ def clipped_steps_body(rank, world_size):
 def test_twenty_clipped_adamw_steps_track_exactly_clipped_ddp():
     """GPT-2 4x256 with an 8192 vocabulary at W=2, clipped at 1.0 every step."""
     run_distributed(clipped_steps_body, 2)
+
+
+def test_blocked_norm_is_float64_exact_at_fp32_speed_and_keeps_huge_gradients_finite():
+    """[Note: blocked norm]: fp32 block norms summed in float64 match a float64 sum over a 3M-element
+    row (a single fp32 reduction is off by ~1e-4 there); squares that overflow fp32 fall back to
+    float64 instead of reporting a finite gradient as inf; inf/nan still make the norm non-finite."""
+    from hf_lowzero.zero.norm import squared_norm
+
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(3_000_001, generator=g) * torch.rand(3_000_001, generator=g) ** 4
+    rows = [row, torch.randn(5, generator=g), torch.empty(0), row[:1000].bfloat16()]
+    exact = sum(r.double().square().sum().item() for r in rows)
+    assert squared_norm(rows).dtype == torch.float64
+    assert squared_norm(rows).item() == pytest.approx(exact, rel=1e-7, abs=0)
+    huge = torch.full((2048,), 1e20)  # squares overflow fp32, not float64
+    assert squared_norm([huge]).item() == pytest.approx(huge.double().square().sum().item(), rel=1e-12)
+    assert squared_norm([]).item() == 0.0
+    for bad in (float("inf"), float("nan")):
+        poisoned = row.clone()
+        poisoned[12345] = bad
+        assert not torch.isfinite(squared_norm([poisoned]))

@@ -152,9 +152,12 @@ def _rank_order_sum(output: torch.Tensor, own: torch.Tensor, received: torch.Ten
 
     def finish() -> None:
         parts = [own if r == rank else received[r] for r in range(received.shape[0])]
-        if output.data_ptr() != parts[0].data_ptr():
-            output.copy_(parts[0])
-        for part in parts[1:]:
+        if output.data_ptr() == parts[0].data_ptr():
+            rest = parts[1:]
+        else:  # one pass for the first two chunks, not a copy and an add
+            torch.add(parts[0], parts[1], out=output)
+            rest = parts[2:]
+        for part in rest:
             output.add_(part)
 
     return finish

@@ -55,6 +55,7 @@ from hf_lowzero.zero.inner import (
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
+from hf_lowzero.zero.norm import squared_norm
 from hf_lowzero.zero.params import WrapGuard, managed_slots
 from hf_lowzero.zero.reducer import BucketReducer
 from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
@@ -480,14 +481,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         are zero, so the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes
         it non-finite."""
         # Computed where the rows live (host memory with offload), reduced on the params' device;
-        # norms rather than sums of squares: no temporary as large as the rows. Accumulated in
-        # float64, as DeepSpeed does: an fp32 sum over rows of millions of elements is off by ~1e-4
-        # relative, and the clip coefficient with it.
-        present = [chunk for chunk in reduced if chunk is not None]
-        norms = (
-            torch._foreach_norm(present, 2, dtype=torch.float64) if present else [torch.zeros((), dtype=torch.float64)]
-        )
-        square_sum = torch.linalg.vector_norm(torch.stack(norms)).square().reshape(1)
+        # fp32 block norms summed in float64 ([Note: blocked norm]).
+        square_sum = squared_norm([chunk for chunk in reduced if chunk is not None]).reshape(1)
         used = self._sync.used.to(torch.float64)
         stats = torch.cat([square_sum.to(self.device), used.to(self.device)])
         comm.all_reduce(stats, self.process_group)

@@ -1,0 +1,47 @@
+"""The squared L2 norm of this rank's gradient rows, accurate and at fp32 speed.
+
+Example::
+
+    >>> rows = [torch.full((2048,), 0.5), torch.ones(16)]   # block norms 16, 16 and 4
+    >>> squared_norm(rows).item()
+    528.0
+
+# [Note: blocked norm]
+# The global norm must be the true norm of the averaged gradients (clipping multiplies every row by
+# clip / norm), over rows of millions of elements. A single fp32 reduction drifts with the length of
+# the row: measured on this CPU kernel, 1.4e-4 relative at 2.8M elements and 2.4e-3 at 40M. Summing
+# in float64 is exact enough but runs at float64 speed: ``_foreach_norm(dtype=float64)`` took 4.7 ms
+# for a 2.8M row (GPT-2 4x256 at W=2; 3% of the step) and 140 ms for 40M, against 0.2 ms in fp32.
+# So each row is cut into blocks of NORM_BLOCK elements, each block's norm is taken in fp32 (short
+# sums do not drift: 2e-8 relative over 40M elements), and the squares of the block norms are summed
+# in float64, one vectorized reduction per row: per bucket, not per parameter.
+# An fp32 square overflows above 1.8e19, where float64 would not; a non-finite result is therefore
+# recomputed in float64, so only gradients that are truly inf/nan make the norm non-finite (a
+# skipped step), exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NORM_BLOCK = 1024  # elements per fp32 partial norm
+
+
+def squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of every element of ``rows`` (1D tensors of any float dtype, one device),
+    as a 0-d float64 tensor on their device (CPU when ``rows`` is empty). See [Note: blocked norm]."""
+    partial = []
+    for row in rows:
+        whole = row.numel() - row.numel() % NORM_BLOCK
+        if whole:
+            blocks = row[:whole].reshape(-1, NORM_BLOCK)
+            partial.append(torch.linalg.vector_norm(blocks, dim=1, dtype=torch.float32))
+        if whole < row.numel():
+            partial.append(torch.linalg.vector_norm(row[whole:], dtype=torch.float32).reshape(1))
+    if not partial:
+        return torch.zeros((), dtype=torch.float64)
+    total = torch.cat(partial).double().square().sum()
+    if not torch.isfinite(total):  # an fp32 square overflowed, or a gradient is inf/nan: float64 decides
+        norms = torch._foreach_norm([row for row in rows if row.numel()], 2, dtype=torch.float64)
+        total = torch.stack(norms).square().sum()
+    return total
