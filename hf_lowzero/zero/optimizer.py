@@ -52,6 +52,7 @@ from hf_lowzero.zero.inner import (
     partition_for,
     prefer_fused_on_cpu,
 )
+from hf_lowzero.zero.layout import holding_any
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
@@ -318,8 +319,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows;
         also a backward that raised midway ([Note: failed backward])."""
-        for param in self._sync.params:
-            param.grad = None
+        if holding_any(self._sync.params):  # after a step none does: skip the per-param loop
+            for param in self._sync.params:
+                param.grad = None
         self._forget_gradients()
 
     def _forget_gradients(self) -> None:
