@@ -54,6 +54,11 @@ def check_group(group, seed: int) -> None:
         dist.all_gather_into_tensor(native, row, group=group)
         assert torch.equal(out, native)
 
+    payload = sum(x.numel() * 4 for x in inputs)
+    assert comm_stats.calls["reduce_scatter"] == comm_stats.calls["all_gather"] == len(SIZES)
+    assert comm_stats.sent_bytes["reduce_scatter"] == sum(x.numel() * 4 * (world - 1) // world for x in inputs)
+    assert comm_stats.payload_bytes["reduce_scatter"] == payload == comm_stats.payload_bytes["all_gather"]
+
     # A small sum all-reduce (the step's norm and usage flags) is an exchange with every peer too:
     # the sum in rank order, the same on every rank; above the size limit gloo's own runs.
     for numel, dtype in ((301, torch.float64), (comm.SMALL_ALL_REDUCE_BYTES // 4 + 1, torch.float32)):
@@ -61,16 +66,15 @@ def check_group(group, seed: int) -> None:
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
         summed = mine.clone()
+        comm_stats.reset()
         comm.all_reduce(summed, group)
-        if numel == 301:
+        small = numel == 301  # an exchange: this rank's whole tensor to each peer; else the ring's share
+        factor = (world - 1) if small else 2 * (world - 1) / world
+        assert comm_stats.sent_bytes["all_reduce"] == int(factor * mine.numel() * mine.element_size())
+        if small:
             assert torch.equal(summed, rank_order_sum(every))
         else:
             torch.testing.assert_close(summed, rank_order_sum(every), rtol=1e-6, atol=1e-6)
-
-    payload = sum(x.numel() * 4 for x in inputs)
-    assert comm_stats.calls["reduce_scatter"] == comm_stats.calls["all_gather"] == len(SIZES)
-    assert comm_stats.sent_bytes["reduce_scatter"] == sum(x.numel() * 4 * (world - 1) // world for x in inputs)
-    assert comm_stats.payload_bytes["reduce_scatter"] == payload == comm_stats.payload_bytes["all_gather"]
 
 
 def comm_body(rank, world_size):

@@ -80,15 +80,16 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     for 300 float64 at W=2 here). Every rank computes the same sum in the same order."""
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     world_size = group_size(group)
-    comm_stats.record("all_reduce", _nbytes(tensor), world_size)
     small = _nbytes(tensor) <= SMALL_ALL_REDUCE_BYTES and tensor.is_contiguous()
     if op == "sum" and small and uses_point_to_point(group):
+        comm_stats.record("all_reduce", _nbytes(tensor), world_size, sent=_nbytes(tensor) * (world_size - 1))
         rank = group_rank(group)
         received = torch.empty((world_size, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
         flat = tensor.view(-1)
         works = _exchange([flat] * world_size, list(received), group)
         own = flat.clone()  # the sum is written into ``tensor`` before this rank's turn comes
         return _settle(_Exchange(works, _rank_order_sum(flat, own, received, rank)), async_op)
+    comm_stats.record("all_reduce", _nbytes(tensor), world_size)
     return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
 
 
