@@ -2,6 +2,7 @@
 
     python benchmarks/step_time.py              # ~8 min; results/step_time.{md,json,png}
     python benchmarks/step_time.py --rounds 5   # fewer rounds, wider spreads
+    python benchmarks/step_time.py --models many_small_300 --setups ddp,ddp_fused,zero1,zero2
 
 All setups of one model live in the same process group and are timed in turns, A B C A B C ...,
 ROUNDS rounds of a few optimizer steps each (per model, ~0.3-0.5 s a round; after warm-up), so that a
@@ -89,10 +90,11 @@ def ratios(times: dict[str, list[float]], name: str, baseline: str) -> dict[str,
     return {"": statistics.median(per_round), "_min": min(per_round), "_max": max(per_round)}
 
 
-def body(rank: int, world_size: int, out: str, names: list[str], rounds: int) -> None:
+def body(rank: int, world_size: int, out: str, names: list[str], rounds: int, models: list[str]) -> None:
     torch.set_num_threads(1)
     rows = []
-    for kind, (build, micro, steps) in MODELS.items():
+    for kind in models:
+        build, micro, steps = MODELS[kind]
         loss_of = loss_fn(kind, rank)
         setups = [Setup(name, build(), micro) for name in names]
         torch.set_num_threads(1)  # whatever a library set while initializing
@@ -131,18 +133,29 @@ def _deepspeed_version() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per model (default {ROUNDS})")
-    rounds = parser.parse_args().rounds
-    names = SETUPS
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of: %(default)s")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: %(default)s")
+    args = parser.parse_args()
+    rounds, models, names = args.rounds, args.models.split(","), args.setups.split(",")
+    unknown = sorted(set(models) - set(MODELS)) + sorted(set(names) - set(SETUPS))
+    if unknown or not {"ddp", "ddp_fused"} <= set(names):
+        parser.error(f"unknown models/setups {unknown}, or ddp and ddp_fused (the baselines) left out")
+    names = [n for n in SETUPS if n in names]  # the table's order
     skipped = deepspeed_missing()
-    if skipped:
+    if skipped and any(n.startswith("deepspeed") for n in names):
         print(skipped, flush=True)
-        names = [n for n in SETUPS if not n.startswith("deepspeed")]
+        names = [n for n in names if not n.startswith("deepspeed")]
     RESULTS.mkdir(exist_ok=True)
-    rows = collect(body, 2, names=names, rounds=rounds)
+    rows = collect(body, 2, names=names, rounds=rounds, models=[m for m in MODELS if m in models])
+    everything = set(models) == set(MODELS) and set(args.setups.split(",")) == set(SETUPS)
+    name = "step_time" if everything else "step_time_subset"  # a subset never overwrites the full table
+    command = f"python benchmarks/step_time.py --rounds {rounds}"
+    if not everything:
+        command += f" --models {args.models} --setups {args.setups}"
     header = (
         "# Step time, world size 2, CPU/gloo, 1 thread per rank\n\n"
-        f"`python benchmarks/step_time.py --rounds {rounds}`: setups interleaved, {rounds} rounds of "
-        f"{', '.join(f'{steps} ({kind})' for kind, (_, _, steps) in MODELS.items())} steps after {WARMUP} warm-up "
+        f"`{command}`: setups interleaved, {rounds} rounds of "
+        f"{', '.join(f'{MODELS[kind][2]} ({kind})' for kind in models)} steps after {WARMUP} warm-up "
         "steps; ms_per_step = median over rounds; vs_ddp = the per-round ratio to DDP with "
         "torch's default AdamW kernel (the for-loop on CPU), vs_ddp_fused = the per-round ratio to DDP with fused "
         "AdamW (median, min, max of each); max_param_diff = the largest absolute difference of any param from "
@@ -160,12 +173,13 @@ def main() -> None:
     python = {(r["model"], r["setup"]): r["ms_our_python"] for r in rows if r["ms_our_python"] != ""}
     lines = []
     for setup in ("zero1", "zero2"):
-        many, few = python["many_small_2000", setup], python["many_small_300", setup]
-        lines.append(f"- {setup}: {many:.2f} ms with 2,000 tensors / {few:.2f} ms with 300 = {many / few:.2f}x")
+        if ("many_small_2000", setup) in python and ("many_small_300", setup) in python:
+            many, few = python["many_small_2000", setup], python["many_small_300", setup]
+            lines.append(f"- {setup}: {many:.2f} ms with 2,000 tensors / {few:.2f} ms with 300 = {many / few:.2f}x")
     footer = "\n\nOur Python per step (`ms_our_python`), 2,000 tiny tensors against 300:\n\n" + "\n".join(lines) + "\n"
-    print(write_results("step_time", rows, columns, header, footer))
+    print(write_results(name, rows, columns, header, footer if lines else ""))
     bar_plot(
-        RESULTS / "step_time.png",
+        RESULTS / f"{name}.png",
         [f"{r['model']} {r['setup']}" for r in rows],
         [r["vs_ddp"] for r in rows],
         [(r["vs_ddp_min"], r["vs_ddp_max"]) for r in rows],

@@ -76,8 +76,8 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 
     A small sum on gloo (the norm and usage flags of a step) sends ``tensor`` to every peer and
     sums what it receives in rank order (see [Note: gloo point-to-point]): one round trip, where
-    gloo's own all-reduce takes several and hands the work to its worker thread (0.19 vs 0.38 ms
-    for 300 float64 at W=2 here). Every rank computes the same sum in the same order."""
+    gloo's own all-reduce takes several and hands the work to its worker thread. Every rank
+    computes the same sum in the same order."""
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     world_size = group_size(group)
     small = _nbytes(tensor) <= SMALL_ALL_REDUCE_BYTES and tensor.is_contiguous()
@@ -104,8 +104,9 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 # reduce-scatter are summed in rank order, which is what a sum over ranks does on every backend.
 # A small all-reduce (the step's norm and usage flags, at most SMALL_ALL_REDUCE_BYTES) is such an
 # exchange as well, each rank sending its whole tensor to every peer: latency, not bytes, is its
-# cost. On a model of 300 small tensors (a 10 ms step) that took our step from 1.04-1.09x to
-# 0.93-0.99x DDP's, interleaved in one run.
+# cost. On a model of 300 small tensors (a 10 ms step) it took our stage 2 step from 1.07 and 1.05
+# of fused DDP's to 0.96 and 0.98, and made no difference in runs where every wait was slow
+# (``benchmarks/step_ab.py``).
 # NCCL and other backends use their native collectives.
 
 

@@ -9,11 +9,11 @@ Example::
 # [Note: blocked norm]
 # The global norm must be the true norm of the averaged gradients (clipping multiplies every row by
 # clip / norm), over rows of millions of elements. A single fp32 reduction drifts with the length of
-# the row: measured on this CPU kernel, 1.4e-4 relative at 2.8M elements and 2.4e-3 at 40M. Summing
-# in float64 is exact enough but runs at float64 speed: ``_foreach_norm(dtype=float64)`` took 4.7 ms
-# for a 2.8M row (GPT-2 4x256 at W=2; 3% of the step) and 140 ms for 40M, against 0.2 ms in fp32.
+# the row: on this CPU kernel, 1.1e-4 relative at 2.8M elements (``benchmarks/step_ab.py``) and 2.4e-3
+# at 40M. Summing in float64 is exact enough but runs at float64 speed: one float64 reduction over a
+# 2.8M row (GPT-2 4x256 at W=2) took 1.1-4.7 ms, up to 3% of that step, against 0.21 ms in fp32.
 # So each row is cut into blocks of NORM_BLOCK elements, each block's norm is taken in fp32 (short
-# sums do not drift: 2e-8 relative over 40M elements), and the squares of the block norms are summed
+# sums do not drift: 1.6e-9 relative at 2.8M elements), and the squares of the block norms are summed
 # in float64, one vectorized reduction per row: per bucket, not per parameter.
 # An fp32 square overflows above 1.8e19, where float64 would not; a non-finite result is therefore
 # recomputed in float64, so only gradients that are truly inf/nan make the norm non-finite (a

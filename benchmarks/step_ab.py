@@ -1,0 +1,151 @@
+"""A/B of single step-time changes, interleaved in one run: ours with and without each, W=2 on CPU.
+
+    python benchmarks/step_ab.py              # ~2 min; results/step_ab.{md,json,png}
+    python benchmarks/step_ab.py --rounds 30
+
+``step_time.py`` compares whole implementations; across two of its runs at the same code the ratios
+of a latency-bound model move by more than a small change does (the host's load changes between
+runs). Here the variants of one change run in the same rounds, A B A B ..., next to fused DDP:
+
+- ``zero2_native_all_reduce``: the step's norm/usage all-reduce through gloo's own all-reduce
+  instead of the point-to-point exchange ([Note: gloo point-to-point] in ``comm.py``);
+- ``zero2_float64_norm``: the gradient norm as one float64 reduction per row instead of fp32 block
+  norms summed in float64 ([Note: blocked norm] in ``norm.py``).
+
+Reported per setup: the median step time, and its per-round ratio to ``ddp_fused`` (median, min,
+max); ``max_param_diff`` from ``ddp_fused`` after all the steps shows every variant trained the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import hf_lowzero.zero.optimizer as zero_optimizer  # noqa: E402
+from benchmarks.common import RESULTS, ManySmall, Setup, bar_plot, collect, gpt2, max_param_diff, write_results  # noqa: E402
+from benchmarks.step_time import loss_fn  # noqa: E402
+from hf_lowzero.zero import comm  # noqa: E402
+from hf_lowzero.zero.norm import squared_norm  # noqa: E402
+
+ROUNDS, WARMUP = 20, 2
+MODELS = {  # name: (build, steps per round)
+    "many_small_300": (lambda: ManySmall(150), 30),
+    "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 3),
+}
+
+
+def float64_norm(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The norm before [Note: blocked norm]: one float64 reduction per row."""
+    rows = [row for row in rows if row.numel()]
+    if not rows:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(rows, 2, dtype=torch.float64)).square().sum()
+
+
+VARIANTS = {  # setup name: (Setup kind, small all-reduce limit, norm function)
+    "ddp_fused": ("ddp_fused", comm.SMALL_ALL_REDUCE_BYTES, squared_norm),
+    "zero1": ("zero1", comm.SMALL_ALL_REDUCE_BYTES, squared_norm),
+    "zero2": ("zero2", comm.SMALL_ALL_REDUCE_BYTES, squared_norm),
+    "zero2_native_all_reduce": ("zero2", 0, squared_norm),
+    "zero2_float64_norm": ("zero2", comm.SMALL_ALL_REDUCE_BYTES, float64_norm),
+}
+
+
+def use(variant: str) -> None:
+    _, limit, norm = VARIANTS[variant]
+    comm.SMALL_ALL_REDUCE_BYTES = limit
+    zero_optimizer.squared_norm = norm
+
+
+def body(rank: int, world_size: int, out: str, rounds: int) -> None:
+    import json
+
+    torch.set_num_threads(1)
+    rows = []
+    for kind, (build, steps) in MODELS.items():
+        loss_of = loss_fn(kind, rank)
+        setups = {name: Setup(VARIANTS[name][0], build(), 1) for name in VARIANTS}
+        torch.set_num_threads(1)
+        for name, setup in setups.items():
+            use(name)
+            for _ in range(WARMUP):
+                setup.step(loss_of)
+        times = {name: [] for name in setups}
+        for _ in range(rounds):
+            for name, setup in setups.items():
+                use(name)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    setup.step(loss_of)
+                times[name].append(1000 * (time.perf_counter() - start) / steps)
+        use("zero2")
+        for name, setup in setups.items():
+            ratios = [t / b for t, b in zip(times[name], times["ddp_fused"])]
+            rows.append({
+                "model": kind, "setup": name, "ms_per_step": statistics.median(times[name]),
+                "vs_ddp_fused": statistics.median(ratios), "vs_ddp_fused_min": min(ratios),
+                "vs_ddp_fused_max": max(ratios), "max_param_diff": max_param_diff(setup, setups["ddp_fused"]),
+            })  # fmt: skip
+        del setups
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def norm_timings(numel: int = 2_800_000, repeats: int = 20) -> str:
+    """Both norms of one row of GPT-2 4x256's size at W=2, single thread: ms per call, and each
+    one's relative error against a float64 sum of squares."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(numel, generator=g)
+    exact = row.double().square().sum().item()
+    lines = []
+    for name, norm in (("fp32 blocks summed in float64", squared_norm), ("float64 reduction", float64_norm)):
+        norm([row])
+        start = time.perf_counter()
+        for _ in range(repeats):
+            value = norm([row]).item()
+        ms = 1000 * (time.perf_counter() - start) / repeats
+        lines.append(f"- {name}: {ms:.2f} ms, relative error {abs(value - exact) / exact:.1e}")
+    single = torch.linalg.vector_norm(row).double().square().item()
+    lines.append(f"- (one fp32 reduction, for comparison: relative error {abs(single - exact) / exact:.1e})")
+    return f"\n\nThe squared norm of one {numel:,}-element row:\n\n" + "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per model (default {ROUNDS})")
+    rounds = parser.parse_args().rounds
+    RESULTS.mkdir(exist_ok=True)
+    rows = collect(body, 2, rounds=rounds)
+    header = (
+        "# A/B of step-time changes, world size 2, CPU/gloo, 1 thread per rank\n\n"
+        f"`python benchmarks/step_ab.py --rounds {rounds}`: variants interleaved, {rounds} rounds of "
+        f"{', '.join(f'{steps} ({kind})' for kind, (_, steps) in MODELS.items())} steps after {WARMUP} warm-up "
+        "steps; ms_per_step = median over rounds; vs_ddp_fused = per-round ratio to DDP with fused AdamW "
+        "(median, min, max); max_param_diff = largest absolute difference of any param from ddp_fused's after "
+        "all the steps. zero2_native_all_reduce: gloo's own all-reduce for the norm/usage flags; "
+        "zero2_float64_norm: one float64 reduction per row for the norm."
+    )
+    columns = ["model", "setup", "ms_per_step", "vs_ddp_fused", "vs_ddp_fused_min", "vs_ddp_fused_max"]
+    print(write_results("step_ab", rows, columns + ["max_param_diff"], header, norm_timings()))
+    bar_plot(
+        RESULTS / "step_ab.png",
+        [f"{r['model']} {r['setup']}" for r in rows],
+        [r["vs_ddp_fused"] for r in rows],
+        [(r["vs_ddp_fused_min"], r["vs_ddp_fused_max"]) for r in rows],
+        xlabel="step time / DDP (fused AdamW), median of rounds (lower is faster)",
+        title="World size 2, CPU/gloo: one change at a time",
+    )
+
+
+if __name__ == "__main__":
+    main()
