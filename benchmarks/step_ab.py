@@ -1,14 +1,15 @@
 """A/B of single step-time changes, interleaved in one run: ours with and without each, W=2 on CPU.
 
-    python benchmarks/step_ab.py              # ~2 min; results/step_ab.{md,json,png}
+    python benchmarks/step_ab.py              # ~3 min; results/step_ab.{md,json,png}
     python benchmarks/step_ab.py --rounds 30
 
 ``step_time.py`` compares whole implementations; across two of its runs at the same code the ratios
 of a latency-bound model move by more than a small change does (the host's load changes between
 runs). Here the variants of one change run in the same rounds, A B A B ..., next to fused DDP:
 
-- ``zero2_native_all_reduce``: the step's norm/usage all-reduce through gloo's own all-reduce
-  instead of the point-to-point exchange ([Note: gloo point-to-point] in ``comm.py``);
+- ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
+  ``POINT_TO_POINT_MIN_BYTES`` too, instead of gloo's own collectives ([Note: gloo point-to-point]
+  in ``comm.py``);
 - ``zero2_float64_norm``: the gradient norm as one float64 reduction per row instead of fp32 block
   norms summed in float64 ([Note: blocked norm] in ``norm.py``).
 
@@ -38,6 +39,7 @@ from hf_lowzero.zero.norm import squared_norm  # noqa: E402
 ROUNDS, WARMUP = 20, 2
 MODELS = {  # name: (build, steps per round)
     "many_small_300": (lambda: ManySmall(150), 30),
+    "many_small_2000": (lambda: ManySmall(1000), 6),
     "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 3),
 }
 
@@ -50,18 +52,20 @@ def float64_norm(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(rows, 2, dtype=torch.float64)).square().sum()
 
 
-VARIANTS = {  # setup name: (Setup kind, small all-reduce limit, norm function)
-    "ddp_fused": ("ddp_fused", comm.SMALL_ALL_REDUCE_BYTES, squared_norm),
-    "zero1": ("zero1", comm.SMALL_ALL_REDUCE_BYTES, squared_norm),
-    "zero2": ("zero2", comm.SMALL_ALL_REDUCE_BYTES, squared_norm),
-    "zero2_native_all_reduce": ("zero2", 0, squared_norm),
-    "zero2_float64_norm": ("zero2", comm.SMALL_ALL_REDUCE_BYTES, float64_norm),
+CURRENT = {name: getattr(comm, name) for name in ("POINT_TO_POINT_MIN_BYTES",)}
+VARIANTS = {  # setup name: (Setup kind, comm limits that differ from the current code, norm function)
+    "ddp_fused": ("ddp_fused", {}, squared_norm),
+    "zero1": ("zero1", {}, squared_norm),
+    "zero2": ("zero2", {}, squared_norm),
+    "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}, squared_norm),
+    "zero2_float64_norm": ("zero2", {}, float64_norm),
 }
 
 
 def use(variant: str) -> None:
-    _, limit, norm = VARIANTS[variant]
-    comm.SMALL_ALL_REDUCE_BYTES = limit
+    _, limits, norm = VARIANTS[variant]
+    for name, value in (CURRENT | limits).items():
+        setattr(comm, name, value)
     zero_optimizer.squared_norm = norm
 
 
@@ -132,8 +136,9 @@ def main() -> None:
         f"{', '.join(f'{steps} ({kind})' for kind, (_, steps) in MODELS.items())} steps after {WARMUP} warm-up "
         "steps; ms_per_step = median over rounds; vs_ddp_fused = per-round ratio to DDP with fused AdamW "
         "(median, min, max); max_param_diff = largest absolute difference of any param from ddp_fused's after "
-        "all the steps. zero2_native_all_reduce: gloo's own all-reduce for the norm/usage flags; "
-        "zero2_float64_norm: one float64 reduction per row for the norm."
+        "all the steps. zero2_p2p_small_buckets: point-to-point exchanges for buckets under "
+        f"{comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_float64_norm: one float64 reduction per "
+        "row for the norm."
     )
     columns = ["model", "setup", "ms_per_step", "vs_ddp_fused", "vs_ddp_fused_min", "vs_ddp_fused_max"]
     print(write_results("step_ab", rows, columns + ["max_param_diff"], header, norm_timings()))

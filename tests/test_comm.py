@@ -1,5 +1,6 @@
 """The collectives module against torch's own collectives: on gloo, reduce-scatter and all-gather
-are point-to-point exchanges ([Note: gloo point-to-point]); several in flight at once, of different
+of at least POINT_TO_POINT_MIN_BYTES are point-to-point exchanges ([Note: gloo point-to-point]; the
+test lowers the limit to 0); several in flight at once, of different
 sizes, on the whole world and on subgroups, give exactly what the collectives give (the sum in
 rank order), and count the bytes of the collective they replace."""
 
@@ -59,26 +60,12 @@ def check_group(group, seed: int) -> None:
     assert comm_stats.sent_bytes["reduce_scatter"] == sum(x.numel() * 4 * (world - 1) // world for x in inputs)
     assert comm_stats.payload_bytes["reduce_scatter"] == payload == comm_stats.payload_bytes["all_gather"]
 
-    # A small sum all-reduce (the step's norm and usage flags) is an exchange with every peer too:
-    # the sum in rank order, the same on every rank; above the size limit gloo's own runs.
-    for numel, dtype in ((301, torch.float64), (comm.SMALL_ALL_REDUCE_BYTES // 4 + 1, torch.float32)):
-        mine = torch.randn(numel, generator=g).to(dtype)
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=group)
-        summed = mine.clone()
-        comm_stats.reset()
-        comm.all_reduce(summed, group)
-        small = numel == 301  # an exchange: this rank's whole tensor to each peer; else the ring's share
-        factor = (world - 1) if small else 2 * (world - 1) / world
-        assert comm_stats.sent_bytes["all_reduce"] == int(factor * mine.numel() * mine.element_size())
-        if small:
-            assert torch.equal(summed, rank_order_sum(every))
-        else:
-            torch.testing.assert_close(summed, rank_order_sum(every), rtol=1e-6, atol=1e-6)
-
 
 def comm_body(rank, world_size):
-    assert comm.uses_point_to_point(None)
+    limit = comm.POINT_TO_POINT_MIN_BYTES  # below it gloo's own collectives run
+    assert comm.uses_point_to_point(None) and comm.uses_point_to_point(None, limit)
+    assert not comm.uses_point_to_point(None, limit - 1)
+    comm.POINT_TO_POINT_MIN_BYTES = 0  # this process only: exchanges at every size below
     check_group(None, seed=0)
     if world_size == 4:  # subgroups: peers are group ranks, sends go to their global ranks
         evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])

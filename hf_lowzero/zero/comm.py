@@ -68,28 +68,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-SMALL_ALL_REDUCE_BYTES = 64 * 1024  # up to this size a gloo sum all-reduce is an exchange with every peer
-
-
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = False, op: str = "sum"):
-    """In-place sum (or ``op="max"``) over ``group``. Returns a work handle when ``async_op``.
-
-    A small sum on gloo (the norm and usage flags of a step) sends ``tensor`` to every peer and
-    sums what it receives in rank order (see [Note: gloo point-to-point]): one round trip, where
-    gloo's own all-reduce takes several and hands the work to its worker thread. Every rank
-    computes the same sum in the same order."""
+    """In-place sum (or ``op="max"``) over ``group``. Returns a work handle when ``async_op``."""
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    world_size = group_size(group)
-    small = _nbytes(tensor) <= SMALL_ALL_REDUCE_BYTES and tensor.is_contiguous()
-    if op == "sum" and small and uses_point_to_point(group):
-        comm_stats.record("all_reduce", _nbytes(tensor), world_size, sent=_nbytes(tensor) * (world_size - 1))
-        rank = group_rank(group)
-        received = torch.empty((world_size, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
-        flat = tensor.view(-1)
-        works = _exchange([flat] * world_size, list(received), group)
-        own = flat.clone()  # the sum is written into ``tensor`` before this rank's turn comes
-        return _settle(_Exchange(works, _rank_order_sum(flat, own, received, rank)), async_op)
-    comm_stats.record("all_reduce", _nbytes(tensor), world_size)
+    comm_stats.record("all_reduce", _nbytes(tensor), group_size(group))
     return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
 
 
@@ -102,12 +84,16 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 # Every rank posts its bucket exchanges in the same (plan) order, and gloo matches sends to
 # receives in order per peer, so exchanges in flight at once never mix. The received chunks of a
 # reduce-scatter are summed in rank order, which is what a sum over ranks does on every backend.
-# A small all-reduce (the step's norm and usage flags, at most SMALL_ALL_REDUCE_BYTES) is such an
-# exchange as well, each rank sending its whole tensor to every peer: latency, not bytes, is its
-# cost. On a model of 300 small tensors (a 10 ms step) it took our stage 2 step from 1.07 and 1.05
-# of fused DDP's to 0.96 and 0.98, and made no difference in runs where every wait was slow
-# (``benchmarks/step_ab.py``).
-# NCCL and other backends use their native collectives.
+# That holds for large payloads. A small exchange posted after the host computed for a while (the
+# end of backward, the optimizer step) often waits ~2 ms for gloo's transport to pick it up, where
+# gloo's own collective takes 0.3-1 ms. Measured at W=2 after 2 ms of compute, median: 20K floats
+# per rank, all-gather 2.0 vs 0.25 ms, reduce-scatter 2.0 vs 0.38; 200K, 2.1 vs 0.68 and 2.0 vs
+# 0.95; 500K, 2.0 vs 1.5 and 1.8 vs 3.8. So reduce-scatters and all-gathers under
+# POINT_TO_POINT_MIN_BYTES (the full tensor) use gloo's own collectives: on a model of 300 small
+# tensors (one 160 KB bucket) that took a stage 2 step from 1.50-1.53 to 1.30-1.33 of fused DDP's
+# in the same runs (``benchmarks/step_ab.py``). NCCL and other backends use their native
+# collectives at every size.
+POINT_TO_POINT_MIN_BYTES = 2 * 2**20
 
 
 class _Exchange:
@@ -126,10 +112,12 @@ class _Exchange:
             self.finish = None
 
 
-def uses_point_to_point(group: ProcessGroup | None) -> bool:
-    """Whether :func:`reduce_scatter` and :func:`all_gather` on ``group`` exchange chunks point to
-    point (gloo, W > 1; see [Note: gloo point-to-point])."""
-    return dist.get_backend(group) == "gloo" and group_size(group) > 1
+def uses_point_to_point(group: ProcessGroup | None, nbytes: int | None = None) -> bool:
+    """Whether :func:`reduce_scatter` and :func:`all_gather` of ``nbytes`` (the full, rank-major
+    tensor; None: any size) on ``group`` exchange chunks point to point (gloo, W > 1, at least
+    POINT_TO_POINT_MIN_BYTES; see [Note: gloo point-to-point])."""
+    large = nbytes is None or nbytes >= POINT_TO_POINT_MIN_BYTES
+    return large and dist.get_backend(group) == "gloo" and group_size(group) > 1
 
 
 def _exchange(send: list[torch.Tensor], receive: list[torch.Tensor], group: ProcessGroup | None) -> list:
@@ -160,7 +148,7 @@ def reduce_scatter(
     """
     world_size = group_size(group)
     comm_stats.record("reduce_scatter", _nbytes(input), world_size)
-    if not uses_point_to_point(group):
+    if not uses_point_to_point(group, _nbytes(input)):
         return _reduce_scatter_impl(output, input, group=group, async_op=async_op)
     rank = group_rank(group)
     chunks = input.view(world_size, -1)
@@ -198,7 +186,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     """Concatenate every rank's ``input`` into ``output`` (1D, rank-major)."""
     world_size = group_size(group)
     comm_stats.record("all_gather", _nbytes(output), world_size)
-    if not uses_point_to_point(group):
+    if not uses_point_to_point(group, _nbytes(output)):
         return _all_gather_impl(output, input, group=group, async_op=async_op)
     chunks = output.view(world_size, -1)
     pending = _Exchange(_exchange([input] * world_size, list(chunks), group))

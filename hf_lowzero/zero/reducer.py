@@ -59,7 +59,9 @@ class BucketReducer:
         self.store = store
         self.pool = pool
         self.holds = [False] * len(buckets)  # per bucket: reduced gradients since the last step
-        self._needs_workspace = comm.uses_point_to_point(group)  # a receive buffer per bucket
+        self._needs_workspace = [  # per bucket: a receive buffer for a point-to-point reduce-scatter
+            comm.uses_point_to_point(group, b.packed_numel * (comm_dtype or b.dtype).itemsize) for b in buckets
+        ]
         self.pack_plans = [pack_plan(bucket, world_size) for bucket in buckets]  # its params, in packing order
 
     def launch(self, bucket: Bucket, grads: list | None = None) -> Reduction:
@@ -86,7 +88,7 @@ class BucketReducer:
             workspace = take(self.world_size * bucket.row_numel)
             work = comm.reduce_to_owners(out, flat, list(bucket.chunks), self.group, True, workspace)
             return Reduction(bucket, work, out, tuple(taken))
-        workspace = take(flat.numel()) if self._needs_workspace else None
+        workspace = take(flat.numel()) if self._needs_workspace[bucket.index] else None
         if direct is not None:
             out = direct
         elif workspace is not None:
