@@ -69,6 +69,36 @@ def use(variant: str) -> None:
     zero_optimizer.squared_norm = norm
 
 
+def collective_timings(repeats: int = 40, compute_ms: float = 2.0) -> list[dict]:
+    """Median ms of one reduce-scatter and one all-gather, gloo's own against our point-to-point
+    exchange, each right after ``compute_ms`` of host compute (as at the end of backward or after
+    the optimizer step), at a few sizes; every rank runs it, rank 0's numbers are kept."""
+    rows = []
+    for per_rank in (20_000, 200_000, 1_400_000):
+        full, row, workspace = torch.zeros(2 * per_rank), torch.zeros(per_rank), torch.zeros(2 * per_rank)
+        for op in ("reduce_scatter", "all_gather"):
+            medians = {}
+            for how, limit in (("gloo", 1 << 62), ("point_to_point", 0)):
+                comm.POINT_TO_POINT_MIN_BYTES = limit
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    while time.perf_counter() - start < compute_ms / 1000:
+                        pass
+                    start = time.perf_counter()
+                    if op == "reduce_scatter":
+                        comm.reduce_scatter(row, full, None, workspace=workspace)
+                    else:
+                        comm.all_gather(full, row, None)
+                    times.append(1000 * (time.perf_counter() - start))
+                medians[how] = statistics.median(times)
+            rows.append(
+                {"op": op, "floats_per_rank": per_rank, "ms_gloo": medians["gloo"], "ms_p2p": medians["point_to_point"]}
+            )
+    use("zero2")
+    return rows
+
+
 def body(rank: int, world_size: int, out: str, rounds: int) -> None:
     import json
 
@@ -100,8 +130,9 @@ def body(rank: int, world_size: int, out: str, rounds: int) -> None:
                 "vs_ddp_fused_max": max(ratios), "max_param_diff": max_param_diff(setup, setups["ddp_fused"]),
             })  # fmt: skip
         del setups
+    collectives = collective_timings()
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"steps": rows, "collectives": collectives}))
 
 
 def norm_timings(numel: int = 2_800_000, repeats: int = 20) -> str:
@@ -129,7 +160,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per model (default {ROUNDS})")
     rounds = parser.parse_args().rounds
     RESULTS.mkdir(exist_ok=True)
-    rows = collect(body, 2, rounds=rounds)
+    result = collect(body, 2, rounds=rounds)
+    rows, collectives = result["steps"], result["collectives"]
     header = (
         "# A/B of step-time changes, world size 2, CPU/gloo, 1 thread per rank\n\n"
         f"`python benchmarks/step_ab.py --rounds {rounds}`: variants interleaved, {rounds} rounds of "
@@ -141,7 +173,13 @@ def main() -> None:
         "row for the norm."
     )
     columns = ["model", "setup", "ms_per_step", "vs_ddp_fused", "vs_ddp_fused_min", "vs_ddp_fused_max"]
-    print(write_results("step_ab", rows, columns + ["max_param_diff"], header, norm_timings()))
+    lines = [f"| {c['op']} | {c['floats_per_rank']:,} | {c['ms_gloo']:.2f} | {c['ms_p2p']:.2f} |" for c in collectives]
+    exchanges = (
+        "\n\nOne collective right after 2 ms of host compute, median ms of 40 (W=2, fp32; the bucket sizes "
+        "of the models above are 40,800 (300 tensors), 272,000 (2,000) and 5.6M (GPT-2) floats in all):\n\n"
+        "| op | floats per rank | gloo's own | point-to-point |\n|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
+    print(write_results("step_ab", rows, columns + ["max_param_diff"], header, norm_timings() + exchanges))
     bar_plot(
         RESULTS / "step_ab.png",
         [f"{r['model']} {r['setup']}" for r in rows],

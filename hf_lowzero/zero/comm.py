@@ -86,13 +86,14 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 # reduce-scatter are summed in rank order, which is what a sum over ranks does on every backend.
 # That holds for large payloads. A small exchange posted after the host computed for a while (the
 # end of backward, the optimizer step) often waits ~2 ms for gloo's transport to pick it up, where
-# gloo's own collective takes 0.3-1 ms. Measured at W=2 after 2 ms of compute, median: 20K floats
-# per rank, all-gather 2.0 vs 0.25 ms, reduce-scatter 2.0 vs 0.38; 200K, 2.1 vs 0.68 and 2.0 vs
-# 0.95; 500K, 2.0 vs 1.5 and 1.8 vs 3.8. So reduce-scatters and all-gathers under
-# POINT_TO_POINT_MIN_BYTES (the full tensor) use gloo's own collectives: on a model of 300 small
-# tensors (one 160 KB bucket) that took a stage 2 step from 1.50-1.53 to 1.30-1.33 of fused DDP's
-# in the same runs (``benchmarks/step_ab.py``). NCCL and other backends use their native
-# collectives at every size.
+# gloo's own collective takes less. Measured at W=2 right after 2 ms of compute, median ms (own vs
+# exchange; ``benchmarks/step_ab.py``): 20K floats per rank, reduce-scatter 1.7 vs 2.1, all-gather
+# 0.26 vs 2.0; 200K, 1.1 vs 2.7 and 0.73 vs 2.3; 1.4M, 9.4 vs 4.6 and 5.2 vs 4.8. So reduce-scatters
+# and all-gathers under POINT_TO_POINT_MIN_BYTES (the full tensor) use gloo's own collectives: on a
+# model of 300 small tensors (one 160 KB bucket) that took a stage 2 step from 1.41-1.53 to
+# 1.22-1.33 of fused DDP's in the same runs. At 1.1 MB (2,000 small tensors) the exchanges were
+# 0-6% faster in the step, within the noise: the best limit is somewhere between. NCCL and other
+# backends use their native collectives at every size.
 POINT_TO_POINT_MIN_BYTES = 2 * 2**20
 
 
