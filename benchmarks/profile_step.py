@@ -1,6 +1,6 @@
 """Where a training step's time goes: DDP vs ZeRO stage 1/2, world size 2 on CPU (gloo).
 
-    python benchmarks/profile_step.py          # ~1 min; results/profile_step.{md,json}
+    python benchmarks/profile_step.py          # ~2 min; results/profile_step.{md,json}
 
 Each setup runs WARMUP steps, then PROFILED steps under ``torch.profiler`` (CPU). Reported per
 step, on rank 0: the wall time of forward, backward (with the bucket hooks and the flush) and the
@@ -9,10 +9,17 @@ of hf_lowzero's labelled phases (``record_function("hf_lowzero::...")``: packing
 buckets, waiting for the reduce-scatter, the gradient norm, the inner optimizer, the all-gather
 back into the params and its unpacking), and of the aten kernels that carry them. A phase's CPU
 time includes the kernels it runs; waits include time the other rank needs to catch up.
+
+A second table times 4-way accumulation without the profiler, fused DDP against ours, setups
+interleaved over ACCUM_ROUNDS steps: the median wall time of each micro-batch's forward and
+backward and of the optimizer step. DDP and stage 1 run the first three backwards under
+``no_sync``; stage 2 reduce-scatters after each, so its extra time per micro-batch is that
+reduction's price.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -24,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.common import RESULTS, Setup, collect, gpt2, write_results  # noqa: E402
+from benchmarks.common import RESULTS, Setup, collect, gpt2, markdown_table, write_results  # noqa: E402
 
 WARMUP, PROFILED = 3, 6
 SETUPS = ["ddp", "zero1", "zero2"]
+ACCUM_SETUPS, MICRO, ACCUM_ROUNDS = ["ddp_fused", "zero1", "zero2"], 4, 8
 KERNELS = ["aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::_fused_adamw_", "aten::_foreach_norm"]
 KERNELS += ["aten::sum", "aten::div_", "aten::mul_", "aten::copy_"]
 
@@ -67,13 +75,45 @@ def body(rank: int, world_size: int, out: str) -> None:
         row["buckets"] = len(setup.opt.buckets) if name != "ddp" else ""
         rows.append(row)
         del setup
+    accumulation = accumulation_phases(rank)
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"steps": rows, "accumulation": accumulation}))
+
+
+def accumulation_phases(rank: int) -> list[dict]:
+    """Median wall ms of each micro-batch's forward and backward and of the step, 4-way accumulation."""
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randint(0, 8192, (4, 64), generator=g) for _ in range(MICRO)]
+    setups = [Setup(name, gpt2(4, 256, dropout=0.0), micro=MICRO) for name in ACCUM_SETUPS]
+    times = {setup.name: [] for setup in setups}
+    for round_ in range(WARMUP + ACCUM_ROUNDS):
+        for setup in setups:
+            torch.distributed.barrier()
+            phases = []
+            for i, x in enumerate(xs):
+                with setup.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    loss = setup.module(input_ids=x, labels=x).loss / MICRO
+                    middle = time.perf_counter()
+                    setup.backward(loss)
+                phases += [middle - start, time.perf_counter() - middle]
+            start = time.perf_counter()
+            setup.finish()
+            phases.append(time.perf_counter() - start)
+            if round_ >= WARMUP:
+                times[setup.name].append(phases)
+    names = [f"{kind}{i}_ms" for i in range(MICRO) for kind in ("forward", "backward")] + ["step_ms"]
+    rows = []
+    for setup in setups:
+        medians = [1000 * statistics.median(column) for column in zip(*times[setup.name])]
+        rows.append({"setup": setup.name, **dict(zip(names, medians)), "total_ms": sum(medians)})
+    return rows
 
 
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
-    rows = collect(body, 2)
+    result = collect(body, 2)
+    rows, accumulation = result["steps"], result["accumulation"]
     labels = sorted({k for r in rows for k in r["phases"]})
     flat = []
     for r in rows:
@@ -88,7 +128,15 @@ def main() -> None:
         "profiled steps; the other columns are CPU ms per step (torch.profiler) of hf_lowzero's labelled "
         "phases and of the aten kernels that carry them (all ops of that name, also the model's own)."
     )
-    print(write_results("profile_step", flat, columns, header))
+    columns_accum = list(accumulation[0])
+    footer = (
+        f"\n\nGPT-2 4x256 with {MICRO}-way accumulation, no profiler, setups interleaved: median wall ms over "
+        f"{ACCUM_ROUNDS} steps of each micro-batch's forward and backward and of the optimizer step (with "
+        "zero_grad). DDP and stage 1 run the first backwards under no_sync; stage 2 reduce-scatters after every "
+        "one (its backward includes that reduction).\n\n" + markdown_table(accumulation, columns_accum)
+    )
+    print(write_results("profile_step", flat, columns, header, footer))
+    (RESULTS / "profile_step.json").write_text(json.dumps({"steps": flat, "accumulation": accumulation}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
   ``POINT_TO_POINT_MIN_BYTES`` too, instead of gloo's own collectives ([Note: gloo point-to-point]
   in ``comm.py``);
 - ``zero2_float64_norm``: the gradient norm as one float64 reduction per row instead of fp32 block
-  norms summed in float64 ([Note: blocked norm] in ``norm.py``).
+  norms summed in float64 ([Note: blocked norm] in ``norm.py``);
+- ``zero2_no_norm_sync``, a diagnostic, not a candidate: the step skips the one all-reduce of the
+  squared norm and the used-param flags, so each rank takes its own rows' norm. What that sync costs
+  per step. It trains the same here only because nothing is clipped and every param is used on
+  every rank (``max_param_diff`` checks it); it would let ranks disagree on skipping a non-finite
+  step.
 
 Reported per setup: the median step time, and its per-round ratio to ``ddp_fused`` (median, min,
 max); ``max_param_diff`` from ``ddp_fused`` after all the steps shows every variant trained the same.
@@ -52,13 +57,18 @@ def float64_norm(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(rows, 2, dtype=torch.float64)).square().sum()
 
 
-CURRENT = {name: getattr(comm, name) for name in ("POINT_TO_POINT_MIN_BYTES",)}
-VARIANTS = {  # setup name: (Setup kind, comm limits that differ from the current code, norm function)
+def no_all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op: str = "sum") -> None:
+    """``comm.all_reduce`` that leaves each rank's tensor as it is (``zero2_no_norm_sync``)."""
+
+
+CURRENT = {name: getattr(comm, name) for name in ("POINT_TO_POINT_MIN_BYTES", "all_reduce")}
+VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the current code, norm function)
     "ddp_fused": ("ddp_fused", {}, squared_norm),
     "zero1": ("zero1", {}, squared_norm),
     "zero2": ("zero2", {}, squared_norm),
     "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}, squared_norm),
     "zero2_float64_norm": ("zero2", {}, float64_norm),
+    "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}, squared_norm),
 }
 
 
@@ -170,7 +180,9 @@ def main() -> None:
         "(median, min, max); max_param_diff = largest absolute difference of any param from ddp_fused's after "
         "all the steps. zero2_p2p_small_buckets: point-to-point exchanges for buckets under "
         f"{comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_float64_norm: one float64 reduction per "
-        "row for the norm."
+        "row for the norm; zero2_no_norm_sync (a diagnostic: what the step's one small all-reduce costs): the "
+        "norm/used-flags all-reduce skipped, each rank using its own rows' norm, which trains the same here "
+        "only because nothing is clipped and every param is used on every rank."
     )
     columns = ["model", "setup", "ms_per_step", "vs_ddp_fused", "vs_ddp_fused_min", "vs_ddp_fused_max"]
     lines = [f"| {c['op']} | {c['floats_per_rank']:,} | {c['ms_gloo']:.2f} | {c['ms_p2p']:.2f} |" for c in collectives]

@@ -57,6 +57,7 @@ from benchmarks.common import (  # noqa: E402
 
 ROUNDS, WARMUP, PROFILED = 15, 2, 3
 PACKAGE = str(Path(__file__).resolve().parents[1] / "hf_lowzero")
+TOP_FUNCTIONS = 4
 MODELS = {  # name: (build, micro-batches per step, steps per round: ~0.3-0.5 s per round)
     "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 1, 3),
     "gpt2_accum4": (lambda: gpt2(4, 256, dropout=0.0), 4, 1),
@@ -74,15 +75,20 @@ def loss_fn(kind: str, rank: int):
     return lambda module, i: module(xs[i]).square().mean()
 
 
-def our_python_ms(setup: Setup, loss_of) -> float:
+def our_python_ms(setup: Setup, loss_of) -> tuple[float, list[tuple[str, float]]]:
+    """Self ms per step of hf_lowzero's Python functions in all, and of the TOP_FUNCTIONS biggest
+    (``file:line function``). Self time includes C work a function starts that cProfile does not
+    trace apart (a ``map`` over the params inside ``list()``, a tensor freed when a local goes)."""
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(PROFILED):
         setup.step(loss_of)
     profile.disable()
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
-    own = sum(v[2] for k, v in stats.items() if k[0].startswith(PACKAGE))
-    return 1000 * own / PROFILED
+    own = {k: v[2] for k, v in stats.items() if k[0].startswith(PACKAGE)}
+    top = sorted(own.items(), key=lambda item: -item[1])[:TOP_FUNCTIONS]
+    where = [(f"{Path(file).relative_to(PACKAGE)}:{line} {name}", 1000 * t / PROFILED) for (file, line, name), t in top]
+    return 1000 * sum(own.values()) / PROFILED, where
 
 
 def ratios(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
@@ -117,7 +123,7 @@ def body(rank: int, world_size: int, out: str, names: list[str], rounds: int, mo
             rows.append(row)
         for setup, row in zip(setups, rows[-len(setups) :]):
             ours = setup.name in ("zero1", "zero2")
-            row["ms_our_python"] = our_python_ms(setup, loss_of) if ours else ""
+            row["ms_our_python"], row["python_top"] = our_python_ms(setup, loss_of) if ours else ("", [])
             row["buckets"] = len(setup.opt.buckets) if ours else ""
         del setups
     if rank == 0:
@@ -176,6 +182,9 @@ def main() -> None:
         if ("many_small_2000", setup) in python and ("many_small_300", setup) in python:
             many, few = python["many_small_2000", setup], python["many_small_300", setup]
             lines.append(f"- {setup}: {many:.2f} ms with 2,000 tensors / {few:.2f} ms with 300 = {many / few:.2f}x")
+            for model in ("many_small_300", "many_small_2000"):
+                top = next(r["python_top"] for r in rows if (r["model"], r["setup"]) == (model, setup))
+                lines.append(f"  - {model}, biggest: " + "; ".join(f"`{where}` {ms:.2f}" for where, ms in top))
     footer = "\n\nOur Python per step (`ms_our_python`), 2,000 tiny tensors against 300:\n\n" + "\n".join(lines) + "\n"
     print(write_results(name, rows, columns, header, footer if lines else ""))
     bar_plot(
