@@ -5,6 +5,11 @@ fused AdamW) on a ~124M-param GPT-2 config: step time and peak CUDA memory.
 
 ZeRO at world size 1 shards nothing; what it buys on one GPU is 16-bit params and gradients with
 fp32 master weights (2Ψ + 2Ψ + 12Ψ bytes instead of autocast's 4Ψ + 4Ψ + 8Ψ plus casts).
+
+Two baselines per 16-bit dtype, each ratio against both: mixed precision as most people run it
+(fp32 params, autocast, fused AdamW), and plain 16-bit training (16-bit params, fused AdamW
+stepping them directly, no master copy: the same kernel ZeRO runs on its fp32 rows, the cheapest
+way to train in 16 bits, and a lossy one).
 """
 
 from __future__ import annotations
@@ -65,6 +70,19 @@ def plain_autocast(dtype):
     return build
 
 
+def plain_16bit(dtype):
+    def build():
+        model = gpt2_124m().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+
+        def fb(x):
+            model(input_ids=x, labels=x).loss.backward()
+
+        return fb, lambda: (opt.step(), opt.zero_grad(set_to_none=True))
+
+    return build
+
+
 def zero(dtype, stage):
     def build():
         model = gpt2_124m().to(dtype)
@@ -78,22 +96,31 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_single.py needs a CUDA GPU; none is visible here")
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    rows = [
-        measure("plain fp32 params + autocast bf16 + fused AdamW", plain_autocast(torch.bfloat16)),
-        measure("zero2 bf16 params + fp32 master", zero(torch.bfloat16, 2)),
-        measure("zero1 bf16 params + fp32 master", zero(torch.bfloat16, 1)),
-        measure("plain fp32 params + autocast fp16 + fused AdamW", plain_autocast(torch.float16)),
-        measure("zero2 fp16 params + fp32 master", zero(torch.float16, 2)),
-    ]
+    rows = []
+    for dtype, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        rows += [
+            measure(f"plain fp32 params + autocast {label} + fused AdamW", plain_autocast(dtype)),
+            measure(f"plain {label} params + fused AdamW", plain_16bit(dtype)),
+            measure(f"zero2 {label} params + fp32 master", zero(dtype, 2)),
+        ]
+        if dtype == torch.bfloat16:
+            rows.append(measure(f"zero1 {label} params + fp32 master", zero(dtype, 1)))
     for row in rows:
-        base = rows[0] if "bf16" in row["setup"] else rows[3]
-        row["time_vs_plain"] = row["ms_per_step"] / base["ms_per_step"]
-        row["memory_vs_plain"] = row["peak_cuda_GiB"] / base["peak_cuda_GiB"]
+        label = "bf16" if "bf16" in row["setup"] else "fp16"
+        autocast = next(r for r in rows if r["setup"].startswith(f"plain fp32 params + autocast {label}"))
+        pure = next(r for r in rows if r["setup"] == f"plain {label} params + fused AdamW")
+        row["time_vs_autocast"] = row["ms_per_step"] / autocast["ms_per_step"]
+        row["time_vs_plain_16bit"] = row["ms_per_step"] / pure["ms_per_step"]
+        row["memory_vs_autocast"] = row["peak_cuda_GiB"] / autocast["peak_cuda_GiB"]
+        row["memory_vs_plain_16bit"] = row["peak_cuda_GiB"] / pure["peak_cuda_GiB"]
     header = (
         f"# Single GPU ({torch.cuda.get_device_name()}), GPT-2 124M, batch {BATCH}x{SEQ}\n\n"
-        "`python benchmarks/gpu_single.py`; ratios against plain PyTorch with the same 16-bit dtype."
+        "`python benchmarks/gpu_single.py`: median of "
+        f"{STEPS} steps after {WARMUP}; ratios against plain PyTorch with the same 16-bit dtype, mixed "
+        "precision (fp32 params + autocast) and plain 16-bit params, both with fused AdamW."
     )
-    cols = ["setup", "ms_per_step", "time_vs_plain", "peak_cuda_GiB", "memory_vs_plain"]
+    cols = ["setup", "ms_per_step", "time_vs_autocast", "time_vs_plain_16bit", "peak_cuda_GiB"]
+    cols += ["memory_vs_autocast", "memory_vs_plain_16bit"]
     print(write_results("gpu_single", rows, cols, header))
 
 
