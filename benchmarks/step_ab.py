@@ -25,6 +25,7 @@ max); ``max_param_diff`` from ``ddp_fused`` after all the steps shows every vari
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ import hf_lowzero.zero.optimizer as zero_optimizer  # noqa: E402
 from benchmarks.common import RESULTS, ManySmall, Setup, bar_plot, collect, gpt2, max_param_diff, write_results  # noqa: E402
 from benchmarks.step_time import loss_fn  # noqa: E402
 from hf_lowzero.zero import comm  # noqa: E402
-from hf_lowzero.zero.norm import squared_norm  # noqa: E402
+from hf_lowzero.zero.norm import float64_squared_norm, squared_norm  # noqa: E402
 
 ROUNDS, WARMUP = 20, 2
 MODELS = {  # name: (build, steps per round)
@@ -47,14 +48,6 @@ MODELS = {  # name: (build, steps per round)
     "many_small_2000": (lambda: ManySmall(1000), 6),
     "gpt2": (lambda: gpt2(4, 256, dropout=0.0), 3),
 }
-
-
-def float64_norm(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The norm before [Note: blocked norm]: one float64 reduction per row."""
-    rows = [row for row in rows if row.numel()]
-    if not rows:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(rows, 2, dtype=torch.float64)).square().sum()
 
 
 def no_all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op: str = "sum") -> None:
@@ -67,7 +60,7 @@ VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the cu
     "zero1": ("zero1", {}, squared_norm),
     "zero2": ("zero2", {}, squared_norm),
     "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}, squared_norm),
-    "zero2_float64_norm": ("zero2", {}, float64_norm),
+    "zero2_float64_norm": ("zero2", {}, float64_squared_norm),  # the norm before [Note: blocked norm]
     "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}, squared_norm),
 }
 
@@ -110,8 +103,6 @@ def collective_timings(repeats: int = 40, compute_ms: float = 2.0) -> list[dict]
 
 
 def body(rank: int, world_size: int, out: str, rounds: int) -> None:
-    import json
-
     torch.set_num_threads(1)
     rows = []
     for kind, (build, steps) in MODELS.items():
@@ -153,7 +144,7 @@ def norm_timings(numel: int = 2_800_000, repeats: int = 20) -> str:
     row = torch.randn(numel, generator=g)
     exact = row.double().square().sum().item()
     lines = []
-    for name, norm in (("fp32 blocks summed in float64", squared_norm), ("float64 reduction", float64_norm)):
+    for name, norm in (("fp32 blocks summed in float64", squared_norm), ("float64 reduction", float64_squared_norm)):
         norm([row])
         start = time.perf_counter()
         for _ in range(repeats):

@@ -42,6 +42,13 @@ def squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64)
     total = torch.cat(partial).double().square().sum()
     if not torch.isfinite(total):  # an fp32 square overflowed, or a gradient is inf/nan: float64 decides
-        norms = torch._foreach_norm([row for row in rows if row.numel()], 2, dtype=torch.float64)
-        total = torch.stack(norms).square().sum()
+        total = float64_squared_norm(rows)
     return total
+
+
+def float64_squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``squared_norm`` as one float64 reduction per row: exact, at float64 speed."""
+    rows = [row for row in rows if row.numel()]
+    if not rows:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(rows, 2, dtype=torch.float64)).square().sum()
