@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -146,12 +147,21 @@ class Setup:
         self.module.backward(loss, scale_wrt_gas=False)
         self.module.step()
 
-    def step(self, loss_of) -> None:
-        """One optimizer step over ``micro`` micro-batches; ``loss_of(module, i)`` is micro-batch i's loss."""
+    def step(self, loss_of, seconds: list[float] | None = None) -> None:
+        """One optimizer step over ``micro`` micro-batches; ``loss_of(module, i)`` is micro-batch i's
+        loss. ``seconds``, when given, receives each micro-batch's forward and backward wall time,
+        then the optimizer step's."""
+        clock = [time.perf_counter()]
         for i in range(self.micro):
             with self.no_sync() if i < self.micro - 1 else contextlib.nullcontext():
-                self.backward(loss_of(self.module, i) / self.micro)
+                loss = loss_of(self.module, i) / self.micro
+                clock.append(time.perf_counter())
+                self.backward(loss)
+            clock.append(time.perf_counter())
         self.finish()
+        clock.append(time.perf_counter())
+        if seconds is not None:
+            seconds += [end - start for start, end in zip(clock, clock[1:])]
 
     def full_params(self) -> list[torch.Tensor]:
         """Every param, whole (FSDP2's are gathered: call on all ranks together), in model order."""
@@ -199,11 +209,15 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], header: str, footer: str = "") -> str:
+def write_results(
+    name: str, rows: list[dict], columns: list[str], header: str, footer: str = "", data: object = None
+) -> str:
+    """``results/NAME.md`` (header, table of ``rows``, footer) and ``results/NAME.json`` (``data``,
+    or ``rows`` when None); returns the table and footer."""
     RESULTS.mkdir(exist_ok=True)
     table = markdown_table(rows, columns)
     (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}{footer}")
-    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows if data is None else data, indent=1))
     return table + footer
 
 

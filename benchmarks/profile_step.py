@@ -19,7 +19,6 @@ reduction's price.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import sys
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks.common import RESULTS, Setup, collect, gpt2, markdown_table, write_results  # noqa: E402
+from benchmarks.step_time import loss_fn  # noqa: E402
 
 WARMUP, PROFILED = 3, 6
 SETUPS = ["ddp", "zero1", "zero2"]
@@ -82,24 +82,14 @@ def body(rank: int, world_size: int, out: str) -> None:
 
 def accumulation_phases(rank: int) -> list[dict]:
     """Median wall ms of each micro-batch's forward and backward and of the step, 4-way accumulation."""
-    g = torch.Generator().manual_seed(rank)
-    xs = [torch.randint(0, 8192, (4, 64), generator=g) for _ in range(MICRO)]
+    loss_of = loss_fn("gpt2_accum4", rank)
     setups = [Setup(name, gpt2(4, 256, dropout=0.0), micro=MICRO) for name in ACCUM_SETUPS]
     times = {setup.name: [] for setup in setups}
     for round_ in range(WARMUP + ACCUM_ROUNDS):
         for setup in setups:
             torch.distributed.barrier()
             phases = []
-            for i, x in enumerate(xs):
-                with setup.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
-                    start = time.perf_counter()
-                    loss = setup.module(input_ids=x, labels=x).loss / MICRO
-                    middle = time.perf_counter()
-                    setup.backward(loss)
-                phases += [middle - start, time.perf_counter() - middle]
-            start = time.perf_counter()
-            setup.finish()
-            phases.append(time.perf_counter() - start)
+            setup.step(loss_of, phases)
             if round_ >= WARMUP:
                 times[setup.name].append(phases)
     names = [f"{kind}{i}_ms" for i in range(MICRO) for kind in ("forward", "backward")] + ["step_ms"]
@@ -135,8 +125,7 @@ def main() -> None:
         "zero_grad). DDP and stage 1 run the first backwards under no_sync; stage 2 reduce-scatters after every "
         "one (its backward includes that reduction).\n\n" + markdown_table(accumulation, columns_accum)
     )
-    print(write_results("profile_step", flat, columns, header, footer))
-    (RESULTS / "profile_step.json").write_text(json.dumps({"steps": flat, "accumulation": accumulation}, indent=1))
+    print(write_results("profile_step", flat, columns, header, footer, {"steps": flat, "accumulation": accumulation}))
 
 
 if __name__ == "__main__":
