@@ -4,7 +4,7 @@ The main job (``python ray_jobs/finetune.py``) with a worker killed while its ch
 in flight: its console has one progress line per logging step of each attempt, from the first rank
 only, none of Ray's known noise, and a summary that counts the restart and names a
 ``from_pretrained`` directory holding the final checkpoint's consolidated weights. Ray registered
-only complete checkpoints (never the killed round's partial one), the restart resumed the last
+only complete checkpoints (never the killed round's, partial or not), the restart resumed the last
 complete one, and the run ends exactly like an uninterrupted one. Every shard reaches the reported
 checkpoint, each file uploaded by one rank; a rerun with fewer workers resumes the same checkpoint,
 resharded. ``Trainer.hyperparameter_search(backend="ray")`` builds a ZeRO optimizer per trial.
@@ -167,14 +167,16 @@ def test_worker_failure_resumes_to_the_same_result(killed_job, local_ray, tmp_pa
     assert clean.error is None
     assert (storage / "killed" / FAILURE_MARKER).exists(), "the failure was not injected"
 
-    # Ray registered only complete checkpoints; the killed round's partial folder stays unregistered,
-    # and the restart resumed the last complete checkpoint (step SAVE), not the partial one.
+    # Ray registered only complete checkpoints. The killed round's folder stays unregistered, and the
+    # restart resumed the last registered checkpoint (step SAVE), not that newer folder. Rank 1 died
+    # with its upload in flight: usually its files never all arrive, but the upload may win the race
+    # with os._exit (CI saw it once). Either way its report died with it, and rank 0's files are all there.
     registered = {Path(c.path) for c, _ in faulty.best_checkpoints}
     assert all(missing_files(c) == [] for c in registered)
-    partial = [d for d in (storage / "killed").glob("checkpoint_*") if d.is_dir() and missing_files(d)]
-    assert [step_of(d) for d in partial] == [KILL_AT], "the killed rank's upload was not cut short"
-    assert "zero_optimizer/zero_shard_rank00001_of_00002.safetensors" in missing_files(partial[0])
-    assert not registered & set(partial)
+    unregistered = [d for d in (storage / "killed").glob("checkpoint_*") if d.is_dir() and d not in registered]
+    assert [step_of(d) for d in unregistered] == [KILL_AT], "the killed round is not the one unregistered folder"
+    rank1_files = {"zero_optimizer/zero_shard_rank00001_of_00002.safetensors", "rng_state_1.pth"}
+    assert set(missing_files(unregistered[0])) <= rank1_files
     assert faulty.metrics["resumed_from_step"] == SAVE
     assert Path(summary["checkpoint"]).parent == Path(faulty.checkpoint.path)
 

@@ -28,8 +28,9 @@ class InjectWorkerFailure(TrainerCallback):
     the run's storage folder remembers that it happened), after Ray registered every earlier
     checkpoint, so the restart resumes the last one before ``step``. At a checkpoint step it dies
     right after ``ray.train.report`` returned, with its upload still in flight ([Note: asynchronous
-    upload]); at any other step, at the end of the step. Add it after ``prepare_trainer``, so that its
-    ``on_save`` runs right after the report's."""
+    upload]): its report never reaches the controller, and its files in storage are usually cut
+    short (the upload thread can win the race with the kill); at any other step, at the end of the
+    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's."""
 
     def __init__(self, step: int, run_dir: Path) -> None:
         self.step = step

@@ -25,11 +25,12 @@ report() returns once the ranks agreed on the checkpoint folder's name; one back
 worker then copies the staged folder to storage, deletes it, and only after that queues the report
 for the controller. So the controller still registers a round only when every rank's upload
 finished: a rank killed mid-upload leaves a partial folder in storage that Ray never registers and
-never hands to get_checkpoint() (``tests/test_ray.py``). Uploads run in report order, and the worker
-waits for pending ones when the training function returns. The staged folder must not change while
-it uploads: it holds hard links to (or copies of) files of a Trainer ``checkpoint-N`` folder, which
-are written once and never rewritten, and the Trainer's ``save_total_limit`` rotation only removes
-names, which leaves the linked files intact.
+never hands to get_checkpoint(); one killed after its upload but before the controller polled its
+report leaves a complete folder that Ray never registers either (``tests/test_ray.py``). Uploads run
+in report order, and the worker waits for pending ones when the training function returns. The
+staged folder must not change while it uploads: it holds hard links to (or copies of) files of a
+Trainer ``checkpoint-N`` folder, which are written once and never rewritten, and the Trainer's
+``save_total_limit`` rotation only removes names, which leaves the linked files intact.
 """
 
 from __future__ import annotations
