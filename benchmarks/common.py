@@ -9,6 +9,7 @@ import os
 import resource
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -174,6 +175,34 @@ def max_param_diff(a: Setup, b: Setup) -> float:
     diff = diff.clone()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
+
+
+def interleaved_ms_per_step(
+    runs: dict[str, Callable[[], None]],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    before: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """Time ``runs`` (each call one training step) interleaved, A B A B ...: each runs ``warmup``
+    steps, then in each of ``rounds`` rounds each runs ``steps`` steps in turn, every rank starting
+    together. Returns, per name, the ms per step of each round. ``before(name)`` runs, untimed,
+    ahead of each turn of ``name`` (a variant's switches)."""
+    before = before or (lambda name: None)
+    for name, run in runs.items():
+        before(name)
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            before(name)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                run()
+            times[name].append(1000 * (time.perf_counter() - start) / steps)
+    return times
 
 
 def reset_peak_rss() -> None:

@@ -25,6 +25,7 @@ max); ``max_param_diff`` from ``ddp_fused`` after all the steps shows every vari
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -34,11 +35,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import hf_lowzero.zero.optimizer as zero_optimizer  # noqa: E402
-from benchmarks.common import RESULTS, ManySmall, Setup, bar_plot, collect, gpt2, max_param_diff, write_results  # noqa: E402
-from benchmarks.step_time import loss_fn  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    ManySmall,
+    Setup,
+    bar_plot,
+    collect,
+    gpt2,
+    interleaved_ms_per_step,
+    max_param_diff,
+    write_results,
+)
+from benchmarks.step_time import loss_fn, ratios  # noqa: E402
 from hf_lowzero.zero import comm  # noqa: E402
 from hf_lowzero.zero.norm import float64_squared_norm, squared_norm  # noqa: E402
 
@@ -109,27 +119,14 @@ def body(rank: int, world_size: int, out: str, rounds: int) -> None:
         loss_of = loss_fn(kind, rank)
         setups = {name: Setup(VARIANTS[name][0], build(), 1) for name in VARIANTS}
         torch.set_num_threads(1)
-        for name, setup in setups.items():
-            use(name)
-            for _ in range(WARMUP):
-                setup.step(loss_of)
-        times = {name: [] for name in setups}
-        for _ in range(rounds):
-            for name, setup in setups.items():
-                use(name)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    setup.step(loss_of)
-                times[name].append(1000 * (time.perf_counter() - start) / steps)
+        runs = {name: functools.partial(setup.step, loss_of) for name, setup in setups.items()}
+        times = interleaved_ms_per_step(runs, rounds, steps, WARMUP, before=use)
         use("zero2")
         for name, setup in setups.items():
-            ratios = [t / b for t, b in zip(times[name], times["ddp_fused"])]
-            rows.append({
-                "model": kind, "setup": name, "ms_per_step": statistics.median(times[name]),
-                "vs_ddp_fused": statistics.median(ratios), "vs_ddp_fused_min": min(ratios),
-                "vs_ddp_fused_max": max(ratios), "max_param_diff": max_param_diff(setup, setups["ddp_fused"]),
-            })  # fmt: skip
+            row = {"model": kind, "setup": name, "ms_per_step": statistics.median(times[name])}
+            row.update({f"vs_ddp_fused{k}": v for k, v in ratios(times, name, "ddp_fused").items()})
+            row["max_param_diff"] = max_param_diff(setup, setups["ddp_fused"])
+            rows.append(row)
         del setups
     collectives = collective_timings()
     if rank == 0:

@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     RESULTS,
@@ -51,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     deepspeed_config,
     deepspeed_missing,
     gpt2,
+    interleaved_ms_per_step,
     max_param_diff,
     write_results,
 )
@@ -104,17 +104,8 @@ def body(rank: int, world_size: int, out: str, names: list[str], rounds: int, mo
         loss_of = loss_fn(kind, rank)
         setups = [Setup(name, build(), micro) for name in names]
         torch.set_num_threads(1)  # whatever a library set while initializing
-        for setup in setups:
-            for _ in range(WARMUP):
-                setup.step(loss_of)
-        times = {s.name: [] for s in setups}
-        for _ in range(rounds):
-            for setup in setups:
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    setup.step(loss_of)
-                times[setup.name].append(1000 * (time.perf_counter() - start) / steps)
+        runs = {setup.name: functools.partial(setup.step, loss_of) for setup in setups}
+        times = interleaved_ms_per_step(runs, rounds, steps, WARMUP)
         for setup in setups:
             row = {"model": kind, "setup": setup.name, "ms_per_step": statistics.median(times[setup.name])}
             row.update({f"vs_ddp{k}": v for k, v in ratios(times, setup.name, "ddp").items()})
