@@ -187,9 +187,7 @@ def test_worker_failure_resumes_to_the_same_result(killed_job, local_ray, tmp_pa
     staged = [set(stage_owned_files(clean_dir, tmp_path / f"staged{r}", r)) for r in range(2)]
     assert not staged[0] & staged[1]
     assert staged[0] | staged[1] == {p.relative_to(clean_dir) for p in clean_dir.rglob("*") if p.is_file()}
-    assert {"zero_optimizer/zero_shard_rank00001_of_00002.safetensors", "rng_state_1.pth"} == {
-        str(p) for p in staged[1]
-    }
+    assert {str(p) for p in staged[1]} == rank1_files
     for ckpt in (clean_dir, faulty_dir):  # every rank's files reached the reported checkpoint
         names = set(os.listdir(ckpt)) | set(os.listdir(ckpt / "zero_optimizer"))
         assert {
