@@ -1,8 +1,8 @@
 """Ray Train, through the main job as a person runs it and through the library.
 
-The main job (``python ray_jobs/finetune.py``) with a worker killed while its checkpoint upload is
-in flight: its console has one progress line per logging step of each attempt, from the first rank
-only, none of Ray's known noise, and a summary that counts the restart and names a
+The main job (``python ray_jobs/finetune.py``, memory snapshots off: ``test_recovery.py`` has
+them) with a worker killed while its checkpoint upload is in flight: its console has one progress
+line per logging step of each attempt, from the first rank only, none of Ray's known noise, and a summary that counts the restart and names a
 ``from_pretrained`` directory holding the final checkpoint's consolidated weights. Ray registered
 only complete checkpoints (never the killed round's, partial or not), the restart resumed the last
 complete one, and the run ends exactly like an uninterrupted one. Every shard reaches the reported
@@ -69,7 +69,8 @@ def killed_job(tmp_path_factory):
     storage = tmp_path_factory.mktemp("runs")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [sys.executable, str(ROOT / "ray_jobs/finetune.py"), "--max-steps", str(STEPS), "--save-steps", str(SAVE),
-           "--inject-failure-at-step", str(KILL_AT), "--storage-path", str(storage), "--name", "killed"]  # fmt: skip
+           "--inject-failure-at-step", str(KILL_AT), "--storage-path", str(storage), "--name", "killed",
+           "--snapshot-every", "off"]  # fmt: skip
     run = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
     console = ANSI.sub("", run.stdout)
     assert run.returncode == 0, console[-5000:]

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from safetensors.torch import save_file
 
 from hf_lowzero.checkpoint.layout import (
@@ -71,23 +72,8 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     if view.rank == 0 and model_extras:
         tensors = {extra_key(name): t.detach().cpu().clone() for name, t in extras.items()}
         _write_tensors(partial / EXTRAS_FILE, tensors)
-    tensors, records = {}, {}
-    for pos, name in enumerate(view.names):
-        shard = view.shards[pos]
-        owned = shard.owned_numel(view.rank)
-        if shard.whole and not owned:
-            continue  # another rank owns this param whole and writes it
-        tensors[master_key(name)] = view.zero["master_rows"][pos][:owned].cpu().clone()
-        for key, value in view.row_state(pos).items():
-            tensors[state_key(name, key)] = value[:owned].cpu().clone()
-        for key, value in view.whole_state(pos).items():
-            tensors[state_key(name, key)] = value.detach().cpu().clone()
-        for key, value in view.packed_state(pos).items():
-            attrs, _ = value.__tensor_flatten__()
-            for attr in attrs:
-                tensors[state_key(name, f"{key}.{attr}")] = getattr(value, attr).detach().cpu().clone()
-        if shard.whole:  # row-shard params: every rank holds the same kind of state, rank 0 describes it
-            records[name] = _state_record(view, pos)
+    tensors, records = shard_tensors(view)
+    tensors = {key: t.detach().cpu().clone() for key, t in tensors.items()}
     own_file = partial / rank_file_name(view.rank, view.world_size)
     _write_tensors(own_file, tensors)
     if os.environ.get(CRASH_POINT_ENV) == "after_rank_files":
@@ -98,7 +84,8 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     if view.rank == 0:
         sizes = [size for size, _ in gathered]
         described = {name: record for _, ranks_records in gathered for name, record in ranks_records.items()}
-        meta = _metadata(view, described, extras, model_extras, sizes, partial)
+        extras_size = (partial / EXTRAS_FILE).stat().st_size if model_extras else None
+        meta = checkpoint_metadata(view, described, extras, sizes, extras_size)
         atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
     comm.barrier(group)
     if view.rank == 0:
@@ -110,7 +97,33 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     return path
 
 
-def _state_record(view: ShardView, pos: int) -> dict[str, Any]:
+def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What this rank's file of a checkpoint holds: ``{key: tensor}`` (the live tensors, not copies,
+    wherever they are: callers copy them) and the state records of the whole params it owns (their
+    owner is the only rank that can describe them). A memory snapshot holds the same tensors
+    (``hf_lowzero.snapshot``).
+    """
+    tensors, records = {}, {}
+    for pos, name in enumerate(view.names):
+        shard = view.shards[pos]
+        owned = shard.owned_numel(view.rank)
+        if shard.whole and not owned:
+            continue  # another rank owns this param whole and writes it
+        tensors[master_key(name)] = view.zero["master_rows"][pos][:owned]
+        for key, value in view.row_state(pos).items():
+            tensors[state_key(name, key)] = value[:owned]
+        for key, value in view.whole_state(pos).items():
+            tensors[state_key(name, key)] = value.detach()
+        for key, value in view.packed_state(pos).items():
+            attrs, _ = value.__tensor_flatten__()
+            for attr in attrs:
+                tensors[state_key(name, f"{key}.{attr}")] = getattr(value, attr).detach()
+        if shard.whole:  # row-shard params: every rank holds the same kind of state, rank 0 describes it
+            records[name] = state_record(view, pos)
+    return tensors, records
+
+
+def state_record(view: ShardView, pos: int) -> dict[str, Any]:
     """What a loader needs to know of param ``pos``'s optimizer state, from a rank that holds it."""
     p = view.params[pos]
     rows = view.row_state(pos)
@@ -141,10 +154,14 @@ def _state_record(view: ShardView, pos: int) -> dict[str, Any]:
     return record
 
 
-def _metadata(
-    view: ShardView, described: dict[str, Any], extras, stored: bool, sizes: list[int], partial: Path
+def checkpoint_metadata(
+    view: ShardView, described: dict[str, Any], extras: dict, sizes: list[int], extras_size: int | None
 ) -> dict[str, Any]:
-    params = {name: described.get(name) or _state_record(view, pos) for pos, name in enumerate(view.names)}
+    """``zero_meta.json`` as rank 0 writes it: ``described`` holds every whole param's state record
+    (from its owner), ``sizes`` each rank file's bytes, ``extras_size`` the extras file's bytes, or
+    None when the extras are left to the model's own save (only their names and shapes are kept)."""
+    stored = extras_size is not None
+    params = {name: described.get(name) or state_record(view, pos) for pos, name in enumerate(view.names)}
     groups = [
         {
             "hyperparameters": {k: scalar_to_json(v) for k, v in g.items() if k not in ("params", "param_names")},
@@ -167,7 +184,7 @@ def _metadata(
         "skipped_steps": view.zero["skipped_steps"],
         "consecutive_skips": view.zero["consecutive_skips"],
         "files": {rank_file_name(r, view.world_size): size for r, size in enumerate(sizes)}
-        | ({EXTRAS_FILE: (partial / EXTRAS_FILE).stat().st_size} if stored else {}),
+        | ({EXTRAS_FILE: extras_size} if stored else {}),
     }
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers, worker_range
 from hf_lowzero.ray.reporting import UPLOAD_MODES
+from hf_lowzero.ray.snapshot_plan import check_every
 from hf_lowzero.recipes.clm import ClmArguments
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
 from hf_lowzero.zero.config import ZeroConfig, check_stage
@@ -77,6 +78,11 @@ class RayFinetuneConfig:
     )
     name: str = _opt("hf_lowzero_finetune", "run name; a rerun with the same name and storage resumes it")
     max_failures: int = _opt(3, "worker-group restarts before giving up")
+    snapshot_every: int | str | None = _opt(
+        "auto",
+        "ZeRO stages: keep snapshots of the training state in node memory (each rank's shard on its node and a "
+        "buddy node) every N steps, 'auto' (the interval that costs at most 2%% of training time) or 'off'",
+    )
     inject_failure_at_step: int | None = _opt(None, "kill one worker process once, at this step (demos, tests)")
     num_to_keep: int = _opt(2, "checkpoints Ray keeps")
     seed: int = _opt(0, "seed for model init and data order")
@@ -98,12 +104,20 @@ class RayFinetuneConfig:
                 )
             for world in worker_range(self.num_workers):
                 self.gradient_accumulation_for(world)  # raises if the global batch does not divide
+        if isinstance(self.snapshot_every, str) and self.snapshot_every.lower() in ("off", "none"):
+            self.snapshot_every = None
+        self.snapshot_every = check_every(self.snapshot_every)
         check_stage(self.zero_stage, "zero_stage", allow_off=True)
         ZeroConfig(partition=self.zero_partition)  # raises on a bad --zero-partition
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
         if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step <= self.max_steps:
             raise ValueError(f"inject_failure_at_step must be in [1, max_steps={self.max_steps}]")
+
+    @property
+    def snapshots(self) -> int | str | None:
+        """The memory snapshot interval the job runs with: none without ZeRO (no shards to keep)."""
+        return self.snapshot_every if self.zero_stage > 0 else None
 
     @property
     def max_workers(self) -> int:

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from ray.train import CheckpointConsistencyMode
 from transformers import TrainerCallback
 
+from hf_lowzero.ray.snapshots import snapshot_takers
+
 FAILURE_MARKER = ".hf_lowzero_failure_injected"
 
 logger = logging.getLogger(__name__)
@@ -30,16 +32,26 @@ class InjectWorkerFailure(TrainerCallback):
     right after ``ray.train.report`` returned, with its upload still in flight ([Note: asynchronous
     upload]): its report never reaches the controller, and its files in storage are usually cut
     short (the upload thread can win the race with the kill); at any other step, at the end of the
-    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's."""
+    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's.
 
-    def __init__(self, step: int, run_dir: Path) -> None:
+    ``during="snapshot"`` kills it instead while the memory snapshot of ``step`` is being taken: after
+    its pieces landed on the holders and before it marked them, so that snapshot is torn (never
+    complete) and the restart resumes the one before ([Note: complete snapshot]). ``step`` must
+    then be a snapshot step."""
+
+    def __init__(self, step: int, run_dir: Path, during: str = "step") -> None:
+        if during not in ("step", "snapshot"):
+            raise ValueError(f"during={during!r} is invalid; expected 'step' or 'snapshot'")
         self.step = step
+        self.during = during
         self.marker = run_dir / FAILURE_MARKER
         self._kill_after_report = False
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != self.step or self.marker.exists():
             return
+        for taker in snapshot_takers():  # a snapshot on its way lands first, as a storage report is committed
+            taker.wait()
         dist.barrier()  # every rank checked the marker before it appears
         if dist.get_rank() == dist.get_world_size() - 1:
             # Reports reach the controller when it polls; one queued on a dead worker is lost.
@@ -47,6 +59,10 @@ class InjectWorkerFailure(TrainerCallback):
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             self.marker.write_text(f"worker of rank {dist.get_rank()} killed at step {state.global_step}\n")
             logger.warning("[hf_lowzero] injecting a failure: killing rank %d at step %d", dist.get_rank(), self.step)
+            if self.during == "snapshot":
+                for taker in snapshot_takers():
+                    taker.fault = (self.step, lambda: os._exit(1))
+                return
             if not control.should_save:  # set by DefaultFlowCallback, which runs first
                 os._exit(1)
             self._kill_after_report = True

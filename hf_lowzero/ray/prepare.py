@@ -28,9 +28,12 @@ from transformers import Trainer
 
 from hf_lowzero.ray.elastic import RecordWorldSize
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+from hf_lowzero.ray.restore import newest_state
+from hf_lowzero.ray.snapshot_plan import check_every
+from hf_lowzero.ray.snapshots import MemorySnapshots
 
 
-def prepare_trainer(trainer: Trainer, upload: str = "async") -> Trainer:
+def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int | str | None = None) -> Trainer:
     """Make ``trainer`` report every checkpoint it saves to Ray Train, from every rank; returns it.
 
     Each rank reports the files of ``checkpoint-N`` it owns (its ZeRO shard and RNG state; rank 0
@@ -39,6 +42,13 @@ def prepare_trainer(trainer: Trainer, upload: str = "async") -> Trainer:
     upload finished. Also adds the world size to every entry of the loss log (``RecordWorldSize``).
     Works with any ``transformers.Trainer`` (``LowZeroTrainer``, or a plain ``Trainer`` with DDP);
     calling it again on the same trainer changes nothing.
+
+    ``snapshot_every`` (steps, ``"auto"`` or None) also keeps snapshots of the whole training state in
+    node memory (``MemorySnapshots``): each rank's shard on its own node and on a buddy node, never in
+    storage, so a lost worker or node costs at most that many steps; ``"auto"`` picks the interval
+    that keeps them within 2% of training time. It needs a ZeRO trainer (``LowZeroTrainer``, or a
+    ``with_zero`` twin, with ``zero_stage`` 1 or 2). ``resume_checkpoint()`` then resumes the newer
+    of the newest complete snapshot and the newest storage checkpoint.
 
     Raises ``RuntimeError`` outside a Ray Train worker (call it inside the training function) or
     when the trainer's world does not match the worker group's, and ``ValueError`` when the trainer
@@ -61,20 +71,40 @@ def prepare_trainer(trainer: Trainer, upload: str = "async") -> Trainer:
             "save_strategy='no': the trainer saves no checkpoints, so there is nothing to report to Ray and a "
             "restarted worker group would train from the start; set save_strategy='steps' and save_steps"
         )
-    reporters = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ReportShardedCheckpoints)]
+    snapshot_every = check_every(snapshot_every)
+    if snapshot_every is not None and not getattr(trainer, "zero_enabled", False):
+        raise ValueError(
+            f"snapshot_every={snapshot_every!r} needs a ZeRO trainer: memory snapshots keep each rank's optimizer "
+            f"shard, and {type(trainer).__name__} (zero_stage={getattr(trainer.args, 'zero_stage', 0)}) has none. Use "
+            "LowZeroTrainer (or hf_lowzero.with_zero(YourTrainer)) with zero_stage=1 or 2, or snapshot_every=None"
+        )
+    callbacks = trainer.callback_handler.callbacks
+    reporters = [cb for cb in callbacks if isinstance(cb, ReportShardedCheckpoints)]
     if reporters:
-        if reporters[0].upload != upload:
-            raise ValueError(f"trainer is already prepared with upload={reporters[0].upload!r}, not {upload!r}")
+        taken = [cb.every for cb in callbacks if isinstance(cb, MemorySnapshots)] or [None]
+        if (reporters[0].upload, taken[0]) != (upload, snapshot_every):
+            raise ValueError(
+                f"trainer is already prepared with upload={reporters[0].upload!r}, snapshot_every={taken[0]!r}, "
+                f"not upload={upload!r}, snapshot_every={snapshot_every!r}"
+            )
         return trainer
     trainer.add_callback(ReportShardedCheckpoints(upload))
     trainer.add_callback(RecordWorldSize())
+    if snapshot_every is not None:
+        snapshots = MemorySnapshots(snapshot_every)
+        snapshots.setup()
+        trainer.add_callback(snapshots)
     return trainer
 
 
 def resume_checkpoint() -> str | None:
-    """The local ``checkpoint-N`` folder of the checkpoint Ray Train hands this attempt
-    (``ray.train.get_checkpoint()``), or None on a fresh start: pass it to
-    ``trainer.train(resume_from_checkpoint=...)``.
+    """The local ``checkpoint-N`` folder to resume this attempt from, or None on a fresh start: pass
+    it to ``trainer.train(resume_from_checkpoint=...)``. Call it on every rank (it is collective).
+
+    That is the newer of the checkpoint Ray Train hands this attempt (``ray.train.get_checkpoint()``)
+    and the newest complete memory snapshot of this run (``prepare_trainer(snapshot_every=...)``),
+    which is written into a local folder of each node from its own node's holder or, when that node
+    is gone, from a buddy's (``hf_lowzero.ray.restore``).
 
     With local or shared storage it is the folder in storage itself; with remote storage
     (``s3://...``, a custom ``storage_filesystem``) every rank downloads the checkpoint to a
@@ -86,13 +116,14 @@ def resume_checkpoint() -> str | None:
     """
     _train_worker_world_size("resume_checkpoint")
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
-        folder = checkpoint.path
-    else:
-        folder = checkpoint.to_directory()
-    return trainer_checkpoint_in(folder)
+    storage = None
+    if checkpoint is not None:
+        if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+            folder = checkpoint.path
+        else:
+            folder = checkpoint.to_directory()
+        storage = trainer_checkpoint_in(folder)
+    return newest_state(storage).folder
 
 
 def local_output_dir(prefix: str = "hf_lowzero_") -> str:

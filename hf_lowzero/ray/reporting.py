@@ -47,6 +47,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from transformers import TrainerCallback
 
 from hf_lowzero.checkpoint.layout import owner_rank
+from hf_lowzero.ray.restore import last_resume
 
 UPLOAD_MODES = {"async": CheckpointUploadMode.ASYNC, "sync": CheckpointUploadMode.SYNC}
 
@@ -57,7 +58,9 @@ class ReportShardedCheckpoints(TrainerCallback):
     asynchronous upload]); ``"sync"`` waits for the upload in report().
 
     Every report carries the last logged metrics, ``step``, and this attempt's ``world_size``,
-    ``global_batch_size`` and ``resumed_from_step`` (0: started fresh). ``checkpoint_wait_s`` sums
+    ``global_batch_size`` and ``resumed_from_step`` (0: started fresh), and after
+    ``resume_checkpoint()`` ``resumed_from`` ("memory", "storage" or "none") and
+    ``newest_storage_step`` (the newest storage checkpoint's step then). ``checkpoint_wait_s`` sums
     the seconds this attempt's training spent staging and in ``ray.train.report`` for its
     checkpoints (``benchmarks/ray_report.py`` compares the upload modes)."""
 
@@ -73,8 +76,10 @@ class ReportShardedCheckpoints(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         world = dist.get_world_size()
+        resumed = last_resume()
         self._attempt = {  # state is restored by now: global_step is where this attempt resumed
             "resumed_from_step": state.global_step,
+            **(resumed.metrics() if resumed is not None else {}),
             "world_size": world,
             "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
         }

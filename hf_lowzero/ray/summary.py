@@ -46,7 +46,7 @@ class RunSummary:
                 f"{metrics['loss']:.4f} at step {metrics['step']}/{self.max_steps}" if "loss" in metrics else "-",
             ),
             ("wall time", f"{self.wall_time_s:.1f} s"),
-            ("restarts survived", str(self.restarts)),
+            ("restarts survived", self._restarts()),
             ("checkpoint", self.trainer_checkpoint or "-"),
             (
                 "model",
@@ -54,6 +54,19 @@ class RunSummary:
             ),
         ]
         return "\n".join([HEADER] + [f"{key:<18} {value}" for key, value in rows])
+
+    def _restarts(self) -> str:
+        """``1 (resumed from memory, step 15; newest storage checkpoint 10)``: where the last restart resumed."""
+        metrics = self.result.metrics or {}
+        source = metrics.get("resumed_from")
+        if not self.restarts or source is None:
+            return str(self.restarts)
+        if source == "none":
+            return f"{self.restarts} (no checkpoint yet: restarted from the start)"
+        where = f"resumed from {source}, step {metrics['resumed_from_step']}"
+        if source == "memory":
+            where += f"; newest storage checkpoint {metrics['newest_storage_step'] or 'none'}"
+        return f"{self.restarts} ({where})"
 
 
 def run_with_summary(config: RayFinetuneConfig, export_dir: str | Path | None = None) -> RunSummary:

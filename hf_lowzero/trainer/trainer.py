@@ -50,6 +50,7 @@ from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, ZeroArguments
 from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.trainer.signature import given_arguments
+from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
 from hf_lowzero.zero.config import parse_dtype
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 from hf_lowzero.zero.params import canonical_name
@@ -210,7 +211,20 @@ class LowZeroTrainer(Trainer):
             state_dict = {canonical_name(k): v for k, v in self.model.state_dict().items()}
         super()._save(output_dir, state_dict)
 
+    def _maybe_log_save_evaluate(self, *args, **kwargs) -> None:
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        # [Note: snapshot point] in snapshot_files.py: the state a checkpoint of this step would hold.
+        for callback in self.callback_handler.callbacks:
+            after = getattr(callback, "after_log_save_evaluate", None)
+            if after is not None:
+                after(self)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if self.zero_enabled and is_memory_snapshot(resume_from_checkpoint):
+            # No model weights in a memory snapshot: loading the optimizer writes its master rows
+            # into the params; frozen params are the model's as built.
+            logger.info("%s is a memory snapshot: params come from its optimizer shards", resume_from_checkpoint)
+            return
         if self.zero_enabled and model is None and self._compiled():
             model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # uncompiled names
         super()._load_from_checkpoint(resume_from_checkpoint, model)

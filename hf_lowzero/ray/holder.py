@@ -1,0 +1,195 @@
+"""Where memory snapshots live on Ray: one holder actor per node per run, outliving the workers.
+
+Ray Train restarts every worker on any failure, so a snapshot must live in processes that are not
+workers. Each node that runs a worker gets a ``SnapshotHolder``: a detached, named actor pinned to
+that node (``NodeAffinitySchedulingStrategy``, not soft), holding pieces in its own process memory.
+What a killed node held is gone with it, as on a real cluster. Holders are named after the run
+(``<run_id>:<node_id>`` in the ``hf_lowzero_snapshots`` namespace), so two runs, e.g. the trials of a
+Tune sweep, never see each other's pieces.
+
+Example (inside a Ray Train worker)::
+
+    holder = holder_for(run, node_id)                                  # get or create
+    holder.put.remote(json.dumps(piece.manifest), piece.payload)        # verified as it lands
+    holder.mark.remote(step, rank, world_size)                          # this rank's piece and its copy landed
+
+# [Note: complete snapshot]
+# A rank marks step S on every holder of the run only after both its pieces (own node, buddy
+# node) landed and passed their checksums. S is complete when every rank of S marked it; only a
+# complete snapshot is ever restored, so a failure while a snapshot is being taken (a torn
+# snapshot) resumes the previous one. A holder keeps the newest complete snapshot and anything
+# newer in progress, and drops the rest as soon as a newer snapshot completes.
+
+# [Note: holder lifetime]
+# A holder is detached (it must outlive the worker group that created it) and watches the run's
+# Ray Train controller, which lives exactly as long as the run: through every restart, until the
+# run ends, fails for good, or is stopped. Once the controller is gone the holder exits and its
+# memory is freed. It checks the controller's state in the GCS by id, never through a handle (a
+# handle would keep the controller alive). A run that ends normally releases its holders at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from hf_lowzero.snapshot.format import payload_error
+
+NAMESPACE = "hf_lowzero_snapshots"
+WATCH_INTERVAL_S = 1.0
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The fit a worker belongs to: Ray Train's run id (new for every ``fit()``, the same across its
+    restarts) and its controller actor's id."""
+
+    run_id: str
+    controller_id: str | None
+
+    def holder_name(self, node_id: str) -> str:
+        return f"{self.run_id}:{node_id}"
+
+
+def current_run() -> RunIdentity:
+    """The run of this Ray Train worker (Ray Train 2.5x, V2)."""
+    # Ray Train V2 keeps both in its internal train context; no public API names them.
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    context = get_train_context()
+    controller = getattr(context, "controller_actor", None)
+    controller_id = controller._actor_id.hex() if controller is not None else None
+    return RunIdentity(context.train_run_context.run_id, controller_id)
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class SnapshotHolder:
+    """A node's memory snapshots of one run: pieces by (step, rank), and the ranks' marks."""
+
+    def __init__(self, node_id: str, controller_id: str | None, watch_interval_s: float = WATCH_INTERVAL_S) -> None:
+        self.node_id = node_id
+        self._lock = threading.Lock()
+        self._pieces: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}
+        self._marks: dict[int, set[int]] = {}
+        self._worlds: dict[int, int] = {}
+        self._complete: int | None = None
+        if controller_id is not None:
+            threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
+
+    def put(self, manifest_json: str, payload: bytes) -> str | None:
+        """Keep a piece after checking it; returns what is wrong with it, or None when it landed."""
+        manifest = json.loads(manifest_json)
+        error = payload_error(manifest, payload)
+        if error is not None:
+            return error
+        with self._lock:
+            step = manifest["step"]
+            if self._complete is None or step > self._complete:
+                self._pieces[(step, manifest["rank"])] = (manifest, payload)
+        return None
+
+    def mark(self, step: int, rank: int, world_size: int) -> None:
+        """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete snapshot])."""
+        with self._lock:
+            self._marks.setdefault(step, set()).add(rank)
+            self._worlds[step] = world_size
+            if len(self._marks[step]) == world_size and (self._complete is None or step > self._complete):
+                self._complete = step
+                self._pieces = {key: v for key, v in self._pieces.items() if key[0] >= step}
+                self._marks = {s: m for s, m in self._marks.items() if s >= step}
+                self._worlds = {s: w for s, w in self._worlds.items() if s >= step}
+
+    def index(self) -> dict[str, Any]:
+        """What this holder knows: per step, the world size, the ranks that marked it and the ranks
+        whose pieces it holds; and the bytes it holds."""
+        with self._lock:
+            steps = set(self._marks) | {step for step, _ in self._pieces}
+            return {
+                "node_id": self.node_id,
+                "bytes": sum(len(payload) for _, payload in self._pieces.values()),
+                "steps": {
+                    step: {
+                        "world_size": self._worlds.get(step),
+                        "marked": sorted(self._marks.get(step, ())),
+                        "pieces": sorted(rank for s, rank in self._pieces if s == step),
+                    }
+                    for step in steps
+                },
+            }
+
+    def manifest(self, step: int, rank: int) -> dict[str, Any]:
+        with self._lock:
+            return self._pieces[(step, rank)][0]
+
+    def part(self, step: int, rank: int, name: str) -> bytes:
+        """One part (``"shard"`` or ``"extras"``) of a piece's payload."""
+        with self._lock:
+            manifest, payload = self._pieces[(step, rank)]
+        start, end = manifest["parts"][name]
+        return payload[start:end]
+
+    def _watch(self, controller_id: str, interval_s: float) -> None:
+        # [Note: holder lifetime]
+        misses = 0
+        while misses < 3:  # three checks in a row: a GCS that did not answer once is not a dead run
+            time.sleep(interval_s)
+            misses = 0 if _actor_alive(controller_id) else misses + 1
+        os._exit(0)
+
+
+def holder_for(run: RunIdentity, node_id: str):
+    """The run's holder on node ``node_id``, created there if it does not exist yet."""
+    return SnapshotHolder.options(
+        name=run.holder_name(node_id),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(node_id, run.controller_id)
+
+
+def run_holders(run_id: str) -> dict[str, Any]:
+    """The live holders of run ``run_id``: ``{name: handle}``."""
+    names = [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(f"{run_id}:")
+    ]
+    holders = {}
+    for name in names:
+        try:
+            holders[name] = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # gone since it was listed
+            continue
+    return holders
+
+
+def all_holder_names() -> list[str]:
+    """Every live holder of every run (what a test checks is gone after a run)."""
+    return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE]
+
+
+def release_run(run_id: str) -> None:
+    """End every holder of run ``run_id`` now (their memory is freed)."""
+    for handle in run_holders(run_id).values():
+        ray.kill(handle)
+
+
+def _actor_alive(actor_id: str) -> bool:
+    # The GCS actor table, read without the dashboard's state API (which a cluster may not run).
+    from ray._private import state
+
+    try:
+        info = state.actors(actor_id=actor_id)
+    except Exception:  # the GCS is unreachable: the cluster is going away
+        return False
+    return bool(info) and info.get("State") not in ("DEAD", None)

@@ -1,0 +1,119 @@
+"""The pure decisions behind memory snapshots: which node keeps each rank's second copy, and how
+often to take a snapshot so that it costs at most a set share of training time.
+
+Example::
+
+    >>> buddy_nodes(["a", "a", "b", "b"])      # each rank's copy goes to the next node
+    ['b', 'b', 'a', 'a']
+    >>> buddy_nodes(["a", "a"])                 # one node: no buddy, process loss only
+    [None, None]
+    >>> schedule = SnapshotSchedule("auto")
+    >>> [schedule.due(step) for step in (1, 2, 3, 4)]   # warm-up steps measure the step time
+    [False, False, False, True]
+
+# [Note: auto interval]
+# ``snapshot_every="auto"`` measures what a snapshot costs on this run and picks the interval that
+# keeps it within ``AUTO_OVERHEAD`` (2%) of training time. The first WARMUP steps take none and
+# give the step time without snapshots (their median, so the first step's compilation and
+# allocation do not count). Then a snapshot is taken and its cost is measured as training feels
+# it: the time the step loop was stopped for the copy, plus how much longer than that median the
+# steps ran while the snapshot was encoded and sent in the background (on a machine whose cores
+# all train, the background work slows them; on a GPU node it mostly does not). The interval is
+# ceil(cost / (2% of a step)), at least 1, re-decided at every snapshot from the mean cost so far;
+# ranks take the largest rank's choice, so that every rank snapshots the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+AUTO = "auto"
+AUTO_OVERHEAD = 0.02
+WARMUP = 3
+MAX_INTERVAL = 10_000
+
+
+def buddy_nodes(node_of_rank: list[str]) -> list[str | None]:
+    """For each rank, the node that keeps the second copy of its piece: the next node in order of
+    first appearance (cyclic), so each node keeps its own ranks' pieces and one other node's; None
+    for every rank when all share one node."""
+    nodes = list(dict.fromkeys(node_of_rank))
+    if len(nodes) < 2:
+        return [None] * len(node_of_rank)
+    following = {node: nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes)}
+    return [following[node] for node in node_of_rank]
+
+
+def check_every(every: int | str | None) -> int | str | None:
+    """``snapshot_every`` validated: None (off), a positive int, or ``"auto"``."""
+    if every is None or every == AUTO:
+        return every
+    if isinstance(every, str) and every.isdigit():
+        every = int(every)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"snapshot_every={every!r} is invalid; expected a number of steps >= 1, 'auto' (the interval that "
+            f"keeps snapshots within {AUTO_OVERHEAD:.0%} of training time) or None (no memory snapshots)"
+        )
+    return every
+
+
+class SnapshotSchedule:
+    """When to take snapshots: every ``every`` steps, or on the [Note: auto interval] policy."""
+
+    def __init__(self, every: int | str) -> None:
+        self.every = check_every(every)
+        if self.every is None:
+            raise ValueError("SnapshotSchedule needs an interval; None means no snapshots")
+        self.auto = self.every == AUTO
+        self.interval = 1 if self.auto else self.every
+        self._next = WARMUP + 1 if self.auto else self.every
+        self._quiet_steps: list[float] = []  # step times with no snapshot work in flight
+        self._costs: list[float] = []
+
+    def due(self, step: int) -> bool:
+        if self.auto:
+            return step >= self._next
+        return step % self.every == 0
+
+    def observe_step(self, seconds: float, busy: bool) -> None:
+        """One step's wall time (the copy excluded); ``busy``: a snapshot was encoded or sent meanwhile."""
+        if not busy:
+            self._quiet_steps.append(seconds)
+
+    @property
+    def step_s(self) -> float | None:
+        """The median step time without snapshot work, or None before any."""
+        return statistics.median(self._quiet_steps[-50:]) if self._quiet_steps else None
+
+    def observe_snapshot(self, stopped_s: float, busy_step_s: list[float]) -> None:
+        """A finished snapshot: seconds the loop stopped for it, and the times of the steps that ran
+        while it was in the background."""
+        base = self.step_s or 0.0
+        # Signed: clipping each step's excess at zero would count step-time noise as cost.
+        self._costs.append(stopped_s + max(0.0, sum(s - base for s in busy_step_s)))
+
+    @property
+    def cost_s(self) -> float | None:
+        """The mean measured cost of a snapshot, or None before the first finished."""
+        return statistics.fmean(self._costs[-20:]) if self._costs else None
+
+    def proposed_interval(self) -> int:
+        """This rank's interval ([Note: auto interval]): the fixed one, or the one its measurements give."""
+        if not self.auto:
+            return self.every
+        if self.cost_s is None or not self.step_s:
+            return self.interval
+        return max(1, min(MAX_INTERVAL, math.ceil(self.cost_s / (AUTO_OVERHEAD * self.step_s))))
+
+    def taken(self, step: int, interval: int) -> None:
+        """A snapshot was taken at ``step``; every rank agreed on ``interval`` for the next."""
+        self.interval = interval
+        self._next = step + interval
+
+    def overhead(self) -> float | None:
+        """The share of training time snapshots are expected to cost at the current interval."""
+        if self.cost_s is None or not self.step_s:
+            return None
+        return self.cost_s / (self.interval * self.step_s)

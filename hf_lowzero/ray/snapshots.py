@@ -1,0 +1,216 @@
+"""Taking memory snapshots on Ray: each rank's piece kept twice, on its node and on a buddy node.
+
+``prepare_trainer(trainer, snapshot_every=...)`` adds ``MemorySnapshots``; nothing else changes in
+the training function. At a snapshot step every rank copies its shard into a host buffer ([Note:
+double buffer] in ``hf_lowzero/snapshot/stager.py``) and training goes on; a background thread
+encodes the piece, sends it to its node's holder and its buddy node's holder, and marks the step
+on every holder once both landed ([Note: complete snapshot] in ``holder.py``).
+
+Example::
+
+    trainer = prepare_trainer(LowZeroTrainer(model=model, args=args, train_dataset=ds), snapshot_every="auto")
+    trainer.train(resume_from_checkpoint=resume_checkpoint())   # memory or storage, whichever is newer
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import ray
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hf_lowzero.ray.holder import current_run, holder_for, release_run
+from hf_lowzero.ray.restore import discard, last_resume
+from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, SnapshotSchedule, buddy_nodes
+from hf_lowzero.snapshot import ShardStager, Staged
+from hf_lowzero.trainer.snapshot_files import trainer_manifest
+
+logger = logging.getLogger(__name__)
+_TAKERS: weakref.WeakSet[MemorySnapshots] = weakref.WeakSet()
+MIB = 1 << 20
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot that did not land (a holder refused a piece, or was gone); training goes on."""
+
+
+@dataclass
+class _InFlight:
+    step: int
+    future: Future
+    stopped_s: float
+    busy_steps: list[float] = field(default_factory=list)
+
+
+class MemorySnapshots(TrainerCallback):
+    """Snapshots of the whole training state in node memory every ``every`` steps (or ``"auto"``:
+    [Note: auto interval] in ``snapshot_plan.py``). Needs a ZeRO trainer (``LowZeroTrainer`` or a
+    ``with_zero`` twin with ``zero_stage`` 1 or 2), which calls ``after_log_save_evaluate`` at the
+    [Note: snapshot point]. ``setup()`` must run on every rank of the worker group at once
+    (``prepare_trainer`` calls it)."""
+
+    def __init__(self, every: int | str = "auto") -> None:
+        self.schedule = SnapshotSchedule(every)
+        self.every = every
+        self.fault: tuple[int, Callable[[], None]] | None = None  # tests: (step, kill) between landing and marks
+        self.snapshots_taken = 0
+        self.snapshots_landed = 0
+        self.stopped_s = 0.0  # seconds the step loop stopped for snapshots (copies and agreement)
+        self._stager: ShardStager | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: list[_InFlight] = []
+        self._last_step: int | None = None
+        self._last_time: float | None = None
+        self._announced = False
+        self._resume_discarded = False
+        _TAKERS.add(self)
+
+    def setup(self) -> None:
+        """Find this rank's node and buddy node and their holders (collective)."""
+        self.run = current_run()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        node = ray.get_runtime_context().get_node_id()
+        nodes: list[str] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(nodes, node)
+        self.nodes = nodes
+        buddy = buddy_nodes(nodes)[self.rank]
+        self._own = holder_for(self.run, node)
+        self._buddy = holder_for(self.run, buddy) if buddy is not None else None
+        self._holders = [holder_for(self.run, n) for n in dict.fromkeys(nodes)]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_lowzero_snapshot")
+
+    @property
+    def one_node(self) -> bool:
+        return len(set(self.nodes)) < 2
+
+    # ------------------------------------------------------------------- the step loop
+
+    def after_log_save_evaluate(self, trainer) -> None:
+        """Called by ``LowZeroTrainer`` once a step's log, evaluation and save are done."""
+        step = trainer.state.global_step
+        if step == self._last_step:  # the epoch's end calls it again for the same step
+            return
+        now = time.perf_counter()
+        self._collect(now)
+        self._last_step = step
+        if step < trainer.state.max_steps and self.schedule.due(step):
+            self._take(trainer, step, now)
+        self._last_time = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self._resume_discarded:  # the Trainer has loaded it (RNG states included) by now
+            self._resume_discarded = True
+            discard(last_resume())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+        dist.barrier()  # no rank's snapshot is still on its way to a holder
+        if self.rank == 0:
+            release_run(self.run.run_id)
+
+    def wait(self) -> None:
+        """Wait until every snapshot taken so far landed or failed."""
+        for f in list(self._in_flight):
+            f.future.exception()
+
+    def close(self) -> None:
+        """Wait for snapshots on their way and free the host buffers."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._collect(time.perf_counter())
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _collect(self, now: float) -> None:
+        """Account the step that just ended, and every snapshot that finished."""
+        if self._last_time is not None:
+            seconds = now - self._last_time
+            busy = any(not f.future.done() for f in self._in_flight)
+            for f in self._in_flight:
+                f.busy_steps.append(seconds)
+            self.schedule.observe_step(seconds, busy)
+        for f in [f for f in self._in_flight if f.future.done()]:
+            self._in_flight.remove(f)
+            error = f.future.exception()
+            if error is not None:
+                logger.warning("[hf_lowzero] the memory snapshot of step %d was not kept: %s", f.step, error)
+                continue
+            self.snapshots_landed += 1
+            self.schedule.observe_snapshot(f.stopped_s, f.busy_steps)
+
+    def _take(self, trainer, step: int, start: float) -> None:
+        if self._stager is None:
+            self._stager = ShardStager(trainer.zero_optimizer)
+        staged = self._stager.stage(step)
+        fields = trainer_manifest(trainer, include_state=self.rank == 0)
+        future = self._executor.submit(self._send, staged, fields)
+        interval = self._agree(self.schedule.proposed_interval())
+        if self.schedule.auto and self.rank == 0 and interval != self.schedule.interval and self.schedule.cost_s:
+            logger.info(
+                "[hf_lowzero] memory snapshots every %d steps from step %d: one costs %.1f ms of %.1f ms steps",
+                interval, step, 1e3 * self.schedule.cost_s, 1e3 * self.schedule.step_s,
+            )  # fmt: skip
+        self.schedule.taken(step, interval)
+        stopped = time.perf_counter() - start
+        self.stopped_s += stopped
+        self.snapshots_taken += 1
+        self._in_flight.append(_InFlight(step, future, stopped))
+        if not self._announced:
+            self._announce(staged)
+
+    def _agree(self, interval: int) -> int:
+        """The largest rank's interval (fixed intervals need no agreement)."""
+        if not self.schedule.auto or self.world_size == 1:
+            return interval
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        value = torch.tensor([interval], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    def _send(self, staged: Staged, fields: dict) -> None:
+        """Background thread: encode, land on both holders, then mark ([Note: complete snapshot])."""
+        piece = staged.encode(**fields)
+        payload = ray.put(piece.payload)  # one copy in the object store serves both holders
+        manifest = json.dumps(piece.manifest)
+        targets = [self._own] + ([self._buddy] if self._buddy is not None else [])
+        errors = [e for e in ray.get([h.put.remote(manifest, payload) for h in targets]) if e is not None]
+        if errors:
+            raise SnapshotError(f"a holder refused the piece of rank {self.rank}: {errors[0]}")
+        if self.fault is not None and self.fault[0] == piece.step:
+            self.fault[1]()
+        ray.get([h.mark.remote(piece.step, self.rank, self.world_size) for h in self._holders])
+
+    def _announce(self, staged: Staged) -> None:
+        """Rank 0's console line: the interval and what snapshots cost in memory per node."""
+        self._announced = True
+        if self.rank != 0:
+            return
+        shard = sum(t.numel() * t.element_size() for t in staged.shard.values())
+        per_node = max(self.nodes.count(n) for n in set(self.nodes))
+        kept = 2 if self.one_node else 4  # (own [+ buddy's]) x (newest complete + one in progress)
+        every = f"every {self.every} steps" if not self.schedule.auto else f"auto (within {AUTO_OVERHEAD:.0%})"
+        logger.info(
+            "[hf_lowzero] memory snapshots %s: %.1f MiB per rank's shard; a node holds up to %.1f MiB "
+            "(%d x %d ranks' shards) and each worker %.1f MiB of staging buffers",
+            every, shard / MIB, kept * per_node * shard / MIB, kept, per_node, 2 * shard / MIB,
+        )  # fmt: skip
+        if self.one_node:
+            logger.info(
+                "[hf_lowzero] all %d workers share one node: memory snapshots protect against a lost worker "
+                "process only; a lost node resumes from storage",
+                self.world_size,
+            )
+
+
+def snapshot_takers() -> list[MemorySnapshots]:
+    """This process's ``MemorySnapshots`` callbacks (fault injection finds them here)."""
+    return list(_TAKERS)

@@ -1,0 +1,150 @@
+"""Copying this rank's shard out of the training loop's way: double-buffered host copies.
+
+Example::
+
+    stager = ShardStager(opt)
+    staged = stager.stage(step=15)      # after the step: one copy per tensor into a free host buffer
+    piece = staged.encode()             # any thread: checksums and bytes; frees the buffer
+
+# [Note: double buffer]
+# A snapshot stops training for one copy of this rank's rows of the fp32 masters and optimizer
+# state (12 bytes per element of its shard with AdamW), into one of two preallocated host buffers.
+# Everything slower (checksums, serializing, sending to the holders) runs in a background thread
+# from that copy, so the next step runs while the previous snapshot is still being encoded from the
+# other buffer. ``stage()`` waits only when both buffers are still being encoded (a snapshot asked
+# for before the one two snapshots back finished encoding), and counts that wait in ``wait_s``.
+# On CUDA the copy itself is asynchronous: it runs on a side stream into pinned buffers, after the
+# step's kernels, while the next forward and backward run; the next optimizer step (the first
+# kernel that writes the copied tensors) waits for it through a step pre-hook, and the encoder
+# waits for the copy's event before it reads the buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_lowzero.checkpoint.layout import extra_key
+from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_tensors
+from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
+from hf_lowzero.snapshot.format import Piece, encode_piece
+from hf_lowzero.zero.params import canonical_name
+
+if TYPE_CHECKING:
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+
+@dataclass
+class Staged:
+    """One snapshot's copy, waiting to be encoded: host tensors, the manifest's optimizer part, and
+    the buffer to give back once encoded."""
+
+    shard: dict[str, torch.Tensor]
+    extras: dict[str, torch.Tensor]
+    manifest: dict[str, Any]
+    copied: torch.cuda.Event | None
+    release: Callable[[], None]
+
+    def encode(self, **manifest_fields: Any) -> Piece:
+        """The piece (see ``format.encode_piece``), with ``manifest_fields`` added to its manifest;
+        frees the buffer."""
+        try:
+            if self.copied is not None:
+                self.copied.synchronize()
+            return encode_piece(self.shard, self.extras, {**self.manifest, **manifest_fields})
+        finally:
+            self.release()
+
+
+class ShardStager:
+    """Two host buffers for this rank's checkpoint tensors, used in turn ([Note: double buffer])."""
+
+    def __init__(self, opt: LowLevelZeroOptimizer) -> None:
+        self.opt = opt
+        self._buffers: list[dict[str, torch.Tensor] | None] = [None, None]
+        self._free = [threading.Event(), threading.Event()]
+        for free in self._free:
+            free.set()
+        self._next = 0
+        self._stream: torch.cuda.Stream | None = None
+        self._pending_copy: torch.cuda.Event | None = None
+        self._hook = opt.register_step_pre_hook(self._before_step)
+        self.wait_s = 0.0
+        self.buffer_bytes = 0
+
+    def stage(self, step: int) -> Staged:
+        """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged."""
+        view = ShardView.of(self.opt)
+        tensors, records = shard_tensors(view)
+        i, self._next = self._next, 1 - self._next
+        start = time.perf_counter()
+        self._free[i].wait()
+        self.wait_s += time.perf_counter() - start
+        self._free[i].clear()
+        buffers = self._buffers[i]
+        if buffers is None or _layout(buffers) != _layout(tensors):
+            buffers = self._buffers[i] = {k: _host_like(t) for k, t in tensors.items()}
+            self.buffer_bytes = sum(_nbytes(b) for b in self._buffers if b is not None)
+        copied = self._copy(tensors, buffers)
+        manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size, "records": records}
+        extras: dict[str, torch.Tensor] = {}
+        if view.rank == 0:
+            manifest["zero_meta"], extras = _rank0_metadata(view, self.opt.model)
+        return Staged(buffers, extras, manifest, copied, self._free[i].set)
+
+    def close(self) -> None:
+        """Stop gating the optimizer's steps and drop the buffers."""
+        for free in self._free:
+            free.wait()
+        self._hook.remove()
+        self._buffers = [None, None]
+
+    def _copy(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+        if not any(t.is_cuda for t in tensors.values()):
+            for key, t in tensors.items():
+                buffers[key].copy_(t)
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())  # after the step's kernels
+        with torch.cuda.stream(self._stream):
+            for key, t in tensors.items():
+                buffers[key].copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        self._pending_copy = copied
+        return copied
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        # The step writes the tensors the side stream may still be reading ([Note: double buffer]).
+        if self._pending_copy is not None:
+            torch.cuda.current_stream().wait_event(self._pending_copy)
+            self._pending_copy = None
+
+
+def _rank0_metadata(view: ShardView, model: torch.nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The checkpoint metadata as rank 0 knows it (file sizes and other owners' records are filled
+    in at restore), and the persistent buffers it stores; frozen params are left to the model."""
+    unsharded = unsharded_state(model, view.params, view.names)
+    buffer_names = {canonical_name(name) for name, _ in model.named_buffers()}
+    meta = checkpoint_metadata(view, {}, unsharded, [0] * view.world_size, None)
+    meta["extras"] = {name: meta["external"].pop(name) for name in unsharded if name in buffer_names}
+    extras = {extra_key(name): unsharded[name].detach().cpu().clone() for name in meta["extras"]}
+    return meta, extras
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+
+
+def _nbytes(buffers: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in buffers.values())

@@ -1,0 +1,148 @@
+"""The Trainer's part of a memory snapshot, as JSON, and the Trainer files it becomes again.
+
+A Trainer ``checkpoint-N`` folder holds, beside the model and the optimizer shards,
+``trainer_state.json``, ``scheduler.pt`` and one ``rng_state_<rank>.pth`` per rank. A snapshot keeps
+the same state as JSON in its pieces' manifests (no pickle: [Note: snapshot point] says when it is
+taken), and a restore writes those files back, so that ``Trainer.train(resume_from_checkpoint=...)``
+resumes a snapshot exactly as it resumes the checkpoint saved at the same step.
+
+Example::
+
+    manifest |= trainer_manifest(trainer)                  # at the snapshot point, every rank
+    write_trainer_files(folder, manifests, rng_ranks=[rank], common=is_node_leader)   # at restore
+
+# [Note: snapshot point]
+# A snapshot is taken where the Trainer saves a checkpoint: after the step's optimizer update, LR
+# schedule, logging, evaluation and save (``_maybe_log_save_evaluate``), before the next step fetches
+# its batch. The trainer state then holds this step's log entry, and the RNG is where the checkpoint
+# of this step would find it (a collator that draws random numbers, e.g. masking, draws them for
+# the next batch after this point). ``LowZeroTrainer`` calls ``after_log_save_evaluate`` of its
+# callbacks there.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.trainer_callback import ExportableState
+
+from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.snapshot.format import MARKER_FILE
+
+TRAINER_STATE_NAME = "trainer_state.json"
+SCHEDULER_NAME = "scheduler.pt"
+
+
+def trainer_manifest(trainer, include_state: bool) -> dict[str, Any]:
+    """This rank's Trainer state at the snapshot point as JSON: its RNG states and, with
+    ``include_state`` (rank 0), the trainer state and the LR scheduler's state."""
+    manifest: dict[str, Any] = {"rng": rng_to_json(trainer.args.world_size > 1 and torch.cuda.is_available())}
+    if include_state:
+        manifest["trainer_state"] = _trainer_state_json(trainer)
+        manifest["scheduler"] = _strict_json(trainer.lr_scheduler.state_dict(), "the LR scheduler's state_dict()")
+    return manifest
+
+
+def write_trainer_files(
+    folder: str | Path, manifests: dict[int, dict[str, Any]], rng_ranks: list[int], common: bool
+) -> None:
+    """Write the Trainer files of a snapshot into ``folder`` (its ``checkpoint-N``): the RNG files of
+    ``rng_ranks``, named as the saving world named them, and with ``common`` (one rank per node) the
+    trainer state, the scheduler and the marker, from rank 0's manifest."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    first = manifests[0]
+    saved_world = first["world_size"]
+    for rank in rng_ranks:
+        name = "rng_state.pth" if saved_world == 1 else f"rng_state_{rank}.pth"
+        rng = rng_from_json(manifests[rank]["rng"])
+        _write(folder / name, lambda f, rng=rng: torch.save(rng, f))
+    if not common:
+        return
+    _write(folder / TRAINER_STATE_NAME, lambda f: Path(f).write_text(json.dumps(first["trainer_state"], indent=2)))
+    _write(folder / SCHEDULER_NAME, lambda f: torch.save(first["scheduler"], f))
+    marker = {"step": first["step"], "world_size": saved_world, "source": "memory"}
+    _write(folder / MARKER_FILE, lambda f: Path(f).write_text(json.dumps(marker)))
+
+
+def is_memory_snapshot(folder: str | Path) -> bool:
+    """Whether a ``checkpoint-N`` folder was written from a memory snapshot (it holds no model
+    weights: the params come from the optimizer's master rows)."""
+    return (Path(folder) / MARKER_FILE).is_file()
+
+
+def rng_to_json(cuda_all: bool) -> dict[str, Any]:
+    """The RNG states ``Trainer._save_rng_state`` saves, as JSON (tensors as base64 bytes)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    rng = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "cpu": _b64(torch.random.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = (
+            [_b64(s) for s in torch.cuda.random.get_rng_state_all()]
+            if cuda_all
+            else _b64(torch.cuda.random.get_rng_state())
+        )
+    return rng
+
+
+def rng_from_json(rng: dict[str, Any]) -> dict[str, Any]:
+    """The dict ``Trainer._load_rng_state`` reads, from ``rng_to_json``'s output."""
+    version, internal, gauss = rng["python"]
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    out = {
+        "python": (version, tuple(internal), gauss),
+        "numpy": (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached),
+        "cpu": _unb64(rng["cpu"]),
+    }
+    if "cuda" in rng:
+        cuda = rng["cuda"]
+        out["cuda"] = [_unb64(s) for s in cuda] if isinstance(cuda, list) else _unb64(cuda)
+    return out
+
+
+def _trainer_state_json(trainer) -> dict[str, Any]:
+    # What _save_checkpoint writes: the state with every ExportableState callback's state, without
+    # changing the live state (a checkpoint appends to list-valued entries).
+    state = dataclasses.asdict(trainer.state)
+    stateful = state.setdefault("stateful_callbacks", {})
+    for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+        name = type(cb).__name__
+        if isinstance(stateful.get(name), list):
+            stateful[name] = stateful[name] + [cb.state()]
+        else:
+            stateful[name] = cb.state()
+    return _strict_json(state, "the trainer state")
+
+
+def _strict_json(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{what} is not JSON ({e}); memory snapshots hold JSON and tensors only. Use a scheduler whose "
+            "state_dict() is plain numbers and lists, or turn snapshots off (snapshot_every=None)"
+        ) from e
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _write(path: Path, write) -> None:
+    atomic_write(path, write, tmp=path.with_name(f"{path.name}.{os.getpid()}.tmp"))

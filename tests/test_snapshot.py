@@ -1,0 +1,215 @@
+"""Memory snapshots without Ray: a snapshot is the checkpoint of the same step, kept as pieces.
+
+A Trainer run at W=2 takes a snapshot's pieces at step SNAP (exactly what a holder keeps) and also
+saves its storage checkpoint there. Each rank's shard in its piece is byte for byte the rank file of
+that checkpoint. The pieces, written back into a folder as a restore does, resume at W=2 to the
+uninterrupted run's params, optimizer state and loss curve (dropout on: the RNG states come back
+too), and at W=1 (resharded) to what the storage checkpoint resumes to. A piece that changed on the
+way is refused. Plus the pure decisions: buddy nodes, the snapshot schedule and its auto interval.
+"""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hf_lowzero import LowZeroTrainer, consolidate_checkpoint
+from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR, rank_file_name
+from hf_lowzero.snapshot import MARKER_FILE, ShardStager, payload_error, write_part, write_zero_metadata
+from hf_lowzero.testing import run_distributed
+from hf_lowzero.trainer.snapshot_files import rng_from_json, rng_to_json, trainer_manifest, write_trainer_files
+from tests.hf_models import TokenDataset, tiny_gpt2
+from tests.trainer_runs import make_args
+
+STEPS, SNAP = 6, 3
+
+
+class KeepPieces(TrainerCallback):
+    """At step ``step``, this rank's snapshot piece as ``MemorySnapshots`` makes it, kept in files."""
+
+    def __init__(self, step: int, out: Path) -> None:
+        self.step, self.out = step, out
+
+    def after_log_save_evaluate(self, trainer) -> None:
+        if trainer.state.global_step != self.step:
+            return
+        rank = dist.get_rank()
+        stager = ShardStager(trainer.zero_optimizer)
+        piece = stager.stage(self.step).encode(**trainer_manifest(trainer, include_state=rank == 0))
+        stager.close()
+        (self.out / f"manifest_{rank}.json").write_text(json.dumps(piece.manifest))
+        (self.out / f"payload_{rank}.bin").write_bytes(piece.payload)
+
+
+def _args(out: Path, **overrides):
+    return make_args(out, 2, max_steps=STEPS, gradient_accumulation_steps=1, **overrides)
+
+
+def _train(rank, world_size, out, resume=None, keep=None):
+    out = Path(out)
+    args = _args(out, save_strategy="steps", save_steps=SNAP)
+    callbacks = [KeepPieces(SNAP, Path(keep))] if keep else []
+    trainer = LowZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    if rank == 0:
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        (out / "losses.json").write_text(json.dumps(losses))
+
+
+def _restore(rank, world_size, keep, folder):
+    """What ``hf_lowzero.ray.restore`` does on each node, from pieces kept in files."""
+    keep, checkpoint = Path(keep), Path(folder) / f"checkpoint-{SNAP}"
+    manifests = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in keep.glob("manifest_*.json")}
+    mine = [rank] if world_size == len(manifests) else sorted(manifests)  # a resize reads every saved rank
+    for j in mine:
+        write_part(checkpoint / TRAINER_SUBDIR, manifests[j], "shard", _part(keep, manifests[j], "shard"))
+    if rank == 0:
+        if "extras" in manifests[0]["parts"]:
+            write_part(checkpoint / TRAINER_SUBDIR, manifests[0], "extras", _part(keep, manifests[0], "extras"))
+        write_zero_metadata(checkpoint / TRAINER_SUBDIR, manifests)
+    write_trainer_files(checkpoint, manifests, mine, common=rank == 0)
+    dist.barrier()
+    _train(rank, world_size, Path(folder) / "out", resume=str(checkpoint))
+
+
+def _header_and_data(blob: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's header (its tensors and checksums) and data bytes: what must be equal
+    (the header's key order is not fixed from one write to the next)."""
+    size = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + size]), blob[8 + size :]
+
+
+def _part(keep: Path, manifest: dict, name: str) -> bytes:
+    start, end = manifest["parts"][name]
+    return (keep / f"payload_{manifest['rank']}.bin").read_bytes()[start:end]
+
+
+@pytest.fixture(scope="module")
+def snapshotted(tmp_path_factory):
+    """The uninterrupted W=2 run, which also kept the pieces of step SNAP and its storage checkpoint."""
+    root = tmp_path_factory.mktemp("snapshot")
+    (root / "pieces").mkdir()
+    run_distributed(_train, 2, out=str(root / "full"), keep=str(root / "pieces"))
+    return root
+
+
+def _final(out: Path) -> tuple[dict, dict]:
+    params = consolidate_checkpoint(out / f"checkpoint-{STEPS}" / TRAINER_SUBDIR)
+    return params, json.loads((out / "losses.json").read_text())
+
+
+def test_a_pieces_shard_is_the_rank_file_of_the_checkpoint_of_the_same_step(snapshotted):
+    checkpoint = snapshotted / "full" / f"checkpoint-{SNAP}" / TRAINER_SUBDIR
+    for rank in range(2):
+        manifest = json.loads((snapshotted / "pieces" / f"manifest_{rank}.json").read_text())
+        assert manifest["step"] == SNAP and manifest["world_size"] == 2
+        piece = _header_and_data(_part(snapshotted / "pieces", manifest, "shard"))
+        assert piece == _header_and_data((checkpoint / rank_file_name(rank, 2)).read_bytes())
+    # No model weights in memory: params are the masters cast down (and frozen ones the model's as built).
+    assert "model.safetensors" not in manifest and set(manifest["parts"]) <= {"shard", "extras"}
+
+
+def test_pieces_resume_to_the_uninterrupted_run(snapshotted, tmp_path):
+    run_distributed(_restore, 2, keep=str(snapshotted / "pieces"), folder=str(tmp_path))
+    assert (tmp_path / f"checkpoint-{SNAP}" / MARKER_FILE).is_file()
+    expected_params, expected_losses = _final(snapshotted / "full")
+    params, losses = _final(tmp_path / "out")
+    assert losses == expected_losses  # steps 1-SNAP from the snapshot's trainer state, the rest trained again
+    assert len(losses) == STEPS
+    for name, value in expected_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+    # The optimizer state too: the final checkpoints' shards hold the same tensors, bit for bit.
+    for rank in range(2):
+        name = f"checkpoint-{STEPS}/{TRAINER_SUBDIR}/{rank_file_name(rank, 2)}"
+        resumed = _header_and_data((tmp_path / "out" / name).read_bytes())
+        assert resumed == _header_and_data((snapshotted / "full" / name).read_bytes()), name
+
+
+def test_pieces_reshard_to_one_rank_like_the_storage_checkpoint(snapshotted, tmp_path):
+    run_distributed(_restore, 1, keep=str(snapshotted / "pieces"), folder=str(tmp_path / "memory"))
+    storage = snapshotted / "full" / f"checkpoint-{SNAP}"
+    run_distributed(_train, 1, out=str(tmp_path / "storage"), resume=str(storage))
+    memory_params, memory_losses = _final(tmp_path / "memory" / "out")
+    storage_params, storage_losses = _final(tmp_path / "storage")
+    assert memory_losses == storage_losses
+    for name, value in storage_params.items():
+        torch.testing.assert_close(memory_params[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_piece_that_changed_on_the_way_is_refused(snapshotted):
+    manifest = json.loads((snapshotted / "pieces" / "manifest_1.json").read_text())
+    payload = bytearray((snapshotted / "pieces" / "payload_1.bin").read_bytes())
+    assert payload_error(manifest, payload) is None
+    flipped = bytearray(payload)
+    flipped[-5] ^= 0x40
+    assert "does not match its checksum" in payload_error(manifest, flipped)
+    assert "bytes, the manifest describes" in payload_error(manifest, payload[:-10])
+    assert payload_error({**manifest, "format": "pickle"}, payload) == "not an hf_lowzero snapshot piece"
+
+
+def test_rng_states_survive_json():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = rng_to_json(cuda_all=False)
+    json.loads(json.dumps(state))  # plain JSON
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restored = rng_from_json(state)
+    random.setstate(restored["python"]), np.random.set_state(restored["numpy"])
+    torch.random.set_rng_state(restored["cpu"])
+    assert (random.random(), np.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_buddy_nodes_put_each_ranks_copy_on_the_next_node():
+    from hf_lowzero.ray.snapshot_plan import buddy_nodes
+
+    assert buddy_nodes(["a", "a", "b", "b"]) == ["b", "b", "a", "a"]
+    assert buddy_nodes(["a", "b", "c"]) == ["b", "c", "a"]
+    assert buddy_nodes(["b", "a", "b"]) == ["a", "b", "a"]  # order of first appearance
+    assert buddy_nodes(["a", "a"]) == [None, None]
+    for nodes in (["a", "b"], ["x", "y", "x", "z", "y"]):
+        assert all(own != buddy for own, buddy in zip(nodes, buddy_nodes(nodes)))
+
+
+def test_snapshot_schedule_fixed_and_auto():
+    from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, WARMUP, SnapshotSchedule, check_every
+
+    fixed = SnapshotSchedule(5)
+    assert [s for s in range(1, 21) if fixed.due(s)] == [5, 10, 15, 20]
+    auto = SnapshotSchedule("auto")
+    assert not any(auto.due(s) for s in range(1, WARMUP + 1)) and auto.due(WARMUP + 1)
+    for seconds in (0.50, 0.10, 0.11, 0.09):  # the first (compilation) is not the median
+        auto.observe_step(seconds, busy=False)
+    assert auto.step_s == pytest.approx(0.105)
+    auto.observe_snapshot(0.004, busy_step_s=[0.125, 0.105])  # 4 ms stopped + 20 ms slower steps
+    assert auto.cost_s == pytest.approx(0.024)
+    assert auto.proposed_interval() == math.ceil(0.024 / (AUTO_OVERHEAD * 0.105)) == 12
+    auto.taken(WARMUP + 1, 12)
+    assert [s for s in range(WARMUP + 1, 40) if auto.due(s)][:1] == [WARMUP + 13]
+    assert auto.overhead() == pytest.approx(0.024 / (12 * 0.105))
+    quick = SnapshotSchedule("auto")
+    quick.observe_step(0.1, busy=False)
+    quick.observe_snapshot(0.0005, busy_step_s=[0.095, 0.1])  # faster than the median: noise, not a gain
+    assert quick.cost_s == pytest.approx(0.0005) and quick.proposed_interval() == 1
+    assert check_every("7") == 7 and check_every(None) is None and check_every("auto") == "auto"
+    for bad in (0, -1, "often", 2.5, True):
+        with pytest.raises(ValueError, match="snapshot_every"):
+            check_every(bad)
+
+
+def test_the_ray_jobs_snapshot_flag():
+    pytest.importorskip("ray")
+    from hf_lowzero.ray import RayFinetuneConfig
+
+    assert RayFinetuneConfig().snapshots == "auto"
+    assert RayFinetuneConfig(snapshot_every="off").snapshots is None
+    assert RayFinetuneConfig(snapshot_every="4").snapshots == 4
+    assert RayFinetuneConfig(zero_stage=0).snapshots is None  # no shards to keep without ZeRO
+    with pytest.raises(ValueError, match="snapshot_every"):
+        RayFinetuneConfig(snapshot_every="0")
