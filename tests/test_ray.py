@@ -2,10 +2,11 @@
 
 The main job (``python ray_jobs/finetune.py``, memory snapshots off: ``test_recovery.py`` has
 them) with a worker killed while its checkpoint upload is in flight: its console has one progress
-line per logging step of each attempt, from the first rank only, none of Ray's known noise, and a summary that counts the restart and names a
-``from_pretrained`` directory holding the final checkpoint's consolidated weights. Ray registered
-only complete checkpoints (never the killed round's, partial or not), the restart resumed the last
-complete one, and the run ends exactly like an uninterrupted one. Every shard reaches the reported
+line per logging step of each attempt, from the first rank only, none of Ray's known noise, and a
+summary that counts the restart and names a ``from_pretrained`` directory holding the final
+checkpoint's consolidated weights. Ray registered only complete checkpoints (never the killed
+round's, partial or not), the restart resumed the last complete one, and the run ends exactly like
+an uninterrupted one. Every shard reaches the reported
 checkpoint, each file uploaded by one rank; a rerun with fewer workers resumes the same checkpoint,
 resharded. ``Trainer.hyperparameter_search(backend="ray")`` builds a ZeRO optimizer per trial.
 
