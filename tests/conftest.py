@@ -2,6 +2,9 @@ import datetime
 
 import pytest
 import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_lowzero.recipes.clm import DEFAULT_CORPUS
 
 
 @pytest.fixture
@@ -11,3 +14,16 @@ def single_rank_group(tmp_path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tmp_path_factory) -> tuple[str, str]:
+    """A tiny GPT-2 without dropout (so losses depend on the data only) and a corpus of exactly
+    128 blocks of 64 bytes: 16 steps of 8 sequences, no epoch boundary within the run."""
+    root = tmp_path_factory.mktemp("elastic_model")
+    config = GPT2Config(vocab_size=257, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=256,
+                        eos_token_id=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(root / "model")
+    text = "".join(c for c in DEFAULT_CORPUS.read_text() if c.isascii())
+    (root / "corpus.txt").write_text((text * (8192 // len(text) + 1))[:8192])
+    return str(root / "model"), str(root / "corpus.txt")

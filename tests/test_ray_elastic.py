@@ -20,11 +20,10 @@ ray = pytest.importorskip("ray")
 
 import torch.distributed as dist  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from hf_lowzero.ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers  # noqa: E402
-from hf_lowzero.recipes.clm import DEFAULT_CORPUS  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of, trainer_checkpoint  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
 
@@ -52,19 +51,6 @@ def slot_cluster():
         finally:
             ray.shutdown()
             cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def no_dropout_model(tmp_path_factory) -> tuple[str, str]:
-    """A tiny GPT-2 without dropout (so losses depend on the data only) and a corpus of exactly
-    128 blocks of 64 bytes: 16 steps of 8 sequences, no epoch boundary within the run."""
-    root = tmp_path_factory.mktemp("elastic_model")
-    config = GPT2Config(vocab_size=257, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=256,
-                        eos_token_id=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    GPT2LMHeadModel(config).save_pretrained(root / "model")
-    text = "".join(c for c in DEFAULT_CORPUS.read_text() if c.isascii())
-    (root / "corpus.txt").write_text((text * (8192 // len(text) + 1))[:8192])
-    return str(root / "model"), str(root / "corpus.txt")
 
 
 class HoldForCapacityChange(TrainerCallback):

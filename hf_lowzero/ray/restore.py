@@ -20,6 +20,7 @@ import logging
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,17 @@ class ResumeSource:
     storage_step: int
     folder: str | None
     reason: str | None = None
+    remote_pieces: int = 0  # pieces fetched from a holder on another node than the reading rank's
+    started_at: float = 0.0  # time.time() when resume_checkpoint() began
 
     def metrics(self) -> dict[str, Any]:
         """What the reports of this attempt carry (Ray's metrics)."""
-        return {"resumed_from": self.kind, "newest_storage_step": self.storage_step}
+        return {
+            "resumed_from": self.kind,
+            "newest_storage_step": self.storage_step,
+            "memory_pieces_from_other_nodes": self.remote_pieces,
+            "memory_not_used": self.reason or "",
+        }
 
 
 @dataclass
@@ -62,6 +70,7 @@ class _Plan:
     manifests: dict[int, dict[str, Any]]
     fetch: dict[int, list[tuple[int, str, str]]] = field(default_factory=dict)  # rank -> [(rank, part, holder)]
     leaders: list[int] = field(default_factory=list)  # the ranks that write each node's common files
+    remote_pieces: int = 0
 
 
 def last_resume() -> ResumeSource | None:
@@ -72,6 +81,7 @@ def last_resume() -> ResumeSource | None:
 def newest_state(storage_folder: str | None) -> ResumeSource:
     """The newer of the newest complete memory snapshot and ``storage_folder`` (collective)."""
     global _last
+    started_at = time.time()
     storage_step = step_of(storage_folder) if storage_folder else 0
     rank, world_size = dist.get_rank(), dist.get_world_size()
     nodes: list[str] = [None] * world_size  # type: ignore[list-item]
@@ -83,7 +93,7 @@ def newest_state(storage_folder: str | None) -> ResumeSource:
     plan, reason = decision[0]
     if plan is None:
         kind = "storage" if storage_folder else "none"
-        _last = ResumeSource(kind, storage_step, storage_step, storage_folder, reason)
+        _last = ResumeSource(kind, storage_step, storage_step, storage_folder, reason, started_at=started_at)
         if reason and rank == 0:
             logger.warning("[hf_lowzero] %s", reason)
         return _last
@@ -93,7 +103,9 @@ def newest_state(storage_folder: str | None) -> ResumeSource:
     if rank == 0:
         storage = f"newest storage checkpoint {storage_step}" if storage_folder else "no storage checkpoint yet"
         logger.info("[hf_lowzero] resuming from memory: the snapshot of step %d (%s)", plan.step, storage)
-    _last = ResumeSource("memory", plan.step, storage_step, folder)
+    _last = ResumeSource(
+        "memory", plan.step, storage_step, folder, remote_pieces=plan.remote_pieces, started_at=started_at
+    )
     return _last
 
 
@@ -157,6 +169,9 @@ def _decide(storage_step: int, nodes: list[str]) -> tuple[_Plan | None, str | No
         plan.fetch[rank] = [(j, "shard", _nearest(held[step][j], node, node_of_holder)) for j in pieces]
         if rank in plan.leaders and "extras" in manifests[0]["parts"]:  # rank 0's buffers, once per node
             plan.fetch[rank].append((0, "extras", _nearest(held[step][0], node, node_of_holder)))
+    plan.remote_pieces = sum(
+        node_of_holder[name] != nodes[rank] for rank, fetches in plan.fetch.items() for _, _, name in fetches
+    )
     return plan, None
 
 

@@ -1,0 +1,248 @@
+"""What memory snapshots cost while training, and what they save when a worker or a node is lost.
+
+    python benchmarks/recovery.py                 # ~15 min on a 2-core CPU machine
+    python benchmarks/recovery.py --rounds 1 --overhead-steps 30   # shorter, noisier
+
+Everything runs in one invocation on a local multi-node Ray cluster (``ray.cluster_utils.Cluster``:
+a head node and two worker nodes of one worker slot each, so each rank has a node of its own), with
+the Ray job's recipe (``build_trainer``) on the GPT-2 benchmark model (4 layers, width 256, 8192-token
+vocabulary, dropout off), 2 workers, ZeRO-2, AdamW, gloo.
+
+1. **Step-time overhead.** Runs with ``snapshot_every`` = off, 1, 2, 5, 10 and auto, in turn, for
+   ``--rounds`` rounds (off, 1, 2, ..., auto, off, 1, ...), no storage checkpoint within the measured
+   steps. Each run's time per step is the median over its steps after the first WARMUP; the overhead
+   of a setting is its step time over the same round's "off" run, minus 1 (median over rounds).
+2. **A failure between two storage checkpoints** (``save_steps=20``, failure after step 37 of 40):
+   - process kill from memory: rank 1's process dies (``InjectWorkerFailure``), snapshots every step;
+   - node kill from buddies: rank 1's node is removed and a fresh node added, snapshots every step;
+   - storage only: rank 1's process dies, no snapshots.
+   For each: steps lost (the failed step minus the step resumed), seconds from the failure to the
+   end of the first new step, and of those the state-loading part (from ``resume_checkpoint()``'s
+   start to ``on_train_begin``: fetching and writing the snapshot, or nothing for local storage,
+   then the Trainer loading it).
+
+Writes results/recovery.md, results/recovery.json and results/recovery.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from benchmarks.common import RESULTS, bar_plot, gpt2, markdown_table, write_results  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer  # noqa: E402
+from hf_lowzero.ray.restore import last_resume  # noqa: E402
+from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
+
+WARMUP = 5
+SETTINGS = ["off", 1, 2, 5, 10, "auto"]
+SAVE_STEPS, FAIL_AT, FAIL_STEPS = 20, 37, 40
+
+
+class StepClock(TrainerCallback):
+    """Rank 0 appends one JSON line per event to ``log``: the attempt's start, and each step's end."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        resumed = last_resume()
+        self._write({"event": "train_begin", "step": state.global_step,
+                     "resume_started": resumed.started_at if resumed else None})  # fmt: skip
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._write({"event": "step_end", "step": state.global_step})
+
+    def _write(self, record: dict) -> None:
+        if dist.get_rank() == 0:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+
+class KillNodeAt(TrainerCallback):
+    """At step ``step`` (end of the step, like ``InjectWorkerFailure``), once: the last rank writes its
+    node id to ``signal`` and every rank waits; the driver removes that node."""
+
+    def __init__(self, step: int, signal: Path) -> None:
+        self.step, self.signal = step, signal
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or self.signal.exists():
+            return
+        for taker in snapshot_takers():  # as InjectWorkerFailure: a snapshot on its way lands first
+            taker.wait()
+        dist.barrier()
+        if dist.get_rank() == dist.get_world_size() - 1:
+            self.signal.write_text(json.dumps({"node": ray.get_runtime_context().get_node_id(), "time": time.time()}))
+        time.sleep(600)
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def step_ms(log: list[dict]) -> float:
+    ends = [r["time"] for r in log if r["event"] == "step_end"]
+    return 1e3 * statistics.median(b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :]))
+
+
+def fit(config: RayFinetuneConfig, callbacks: list, cluster=None, signal: Path | None = None):
+    trainer = build_trainer(config, trainer_callbacks=callbacks)
+    if signal is None:
+        return trainer.fit()
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(trainer.fit)
+        while not signal.exists():
+            if run.done():
+                raise RuntimeError(f"the run ended before its node was killed: {run.result()}")
+            time.sleep(0.1)
+        node = json.loads(signal.read_text())["node"]
+        (doomed,) = [n for n in cluster.slot_nodes if n.node_id == node]
+        cluster.slot_nodes.remove(doomed)
+        cluster.remove_node(doomed)
+        cluster.slot_nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))
+        return run.result()
+
+
+def overhead_rows(a, common: dict, work: Path) -> tuple[list[dict], dict]:
+    runs = []
+    for r in range(a.rounds):
+        for setting in SETTINGS:
+            log = work / f"overhead_{r}_{setting}.jsonl"
+            every = None if setting == "off" else setting
+            config = RayFinetuneConfig(**common, name=f"overhead_{r}_{setting}", snapshot_every=every,
+                                       max_steps=a.overhead_steps, save_steps=a.overhead_steps)  # fmt: skip
+            result = fit(config, [StepClock(log)])
+            if result.error:
+                raise RuntimeError(f"{config.name} failed: {result.error}")
+            runs.append({"round": r, "setting": str(setting), "ms_per_step": step_ms(read_log(log))})
+            print(runs[-1], flush=True)
+    rows = []
+    for setting in SETTINGS[1:]:
+        ratios = []
+        for r in range(a.rounds):
+            base = next(x for x in runs if x["round"] == r and x["setting"] == "off")["ms_per_step"]
+            mine = next(x for x in runs if x["round"] == r and x["setting"] == str(setting))["ms_per_step"]
+            ratios.append(mine / base - 1)
+        rows.append({
+            "snapshot_every": str(setting),
+            "overhead_pct": 100 * statistics.median(ratios),
+            "min_pct": 100 * min(ratios),
+            "max_pct": 100 * max(ratios),
+            "ms_per_step": statistics.median(x["ms_per_step"] for x in runs if x["setting"] == str(setting)),
+        })  # fmt: skip
+    off = statistics.median(x["ms_per_step"] for x in runs if x["setting"] == "off")
+    return rows, {"runs": runs, "off_ms_per_step": off}
+
+
+def failure_row(kind: str, common: dict, work: Path, cluster) -> dict:
+    log, marker = work / f"fail_{kind}.jsonl", work / f"fail_{kind}_marker"
+    every = None if kind == "storage only" else 1
+    config = RayFinetuneConfig(**common, name=f"fail_{kind.replace(' ', '_')}", snapshot_every=every,
+                               max_steps=FAIL_STEPS, save_steps=SAVE_STEPS)  # fmt: skip
+    if kind == "node kill from buddies":
+        result = fit(config, [StepClock(log), KillNodeAt(FAIL_AT, marker)], cluster, marker)
+        failed_at = json.loads(marker.read_text())["time"]
+    else:
+        marker.mkdir()
+        result = fit(config, [StepClock(log), InjectWorkerFailure(FAIL_AT, marker)])
+        failed_at = next(marker.iterdir()).stat().st_mtime
+    if result.error:
+        raise RuntimeError(f"{kind} failed: {result.error}")
+    records = read_log(log)
+    begins = [r for r in records if r["event"] == "train_begin"]
+    resumed = begins[-1]
+    first_new = next(r for r in records if r["event"] == "step_end" and r["time"] > resumed["time"])
+    return {
+        "failure": kind,
+        "resumed_from": result.metrics["resumed_from"],
+        "resumed_step": resumed["step"],
+        "steps_lost": FAIL_AT - resumed["step"],
+        "failure_to_first_new_step_s": first_new["time"] - failed_at,
+        "state_loading_s": resumed["time"] - resumed["resume_started"],
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the overhead runs")
+    p.add_argument("--overhead-steps", type=int, default=60, help="steps per overhead run")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=8192)
+    a = p.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="hf_lowzero_recovery_"))
+    model = gpt2(a.n_layer, a.n_embd, vocab=a.vocab, dropout=0.0)
+    params = sum(t.numel() for t in model.parameters())
+    model.save_pretrained(work / "model")
+    del model
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.slot_nodes = [cluster.add_node(num_cpus=1, resources={"worker_slot": 1}) for _ in range(2)]
+    root = str(Path(__file__).resolve().parents[1])
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+    common = dict(num_workers=2, per_device_train_batch_size=4, model_name_or_path=str(work / "model"),
+                  storage_path=str(work / "storage"), resources_per_worker='{"worker_slot": 1}', num_to_keep=1,
+                  max_failures=1)  # fmt: skip
+    try:
+        overhead, raw = overhead_rows(a, common, work)
+        failures = [failure_row(k, common, work, cluster) for k in
+                    ("process kill from memory", "node kill from buddies", "storage only")]  # fmt: skip
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    for row in failures:
+        print(row, flush=True)
+    shard_mib = 12 * params / 2 / 2**20
+    header = (
+        "# Memory snapshots: overhead while training, and recovery after a failure\n\n"
+        f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps}`. Local "
+        f"multi-node Ray cluster on a 2-core CPU machine (one worker per node), 2 workers, ZeRO-2, AdamW, "
+        f"GPT-2 {a.n_layer}x{a.n_embd}, vocab {a.vocab} ({params / 1e6:.1f}M params; a rank's shard of fp32 "
+        f"masters and AdamW state is {shard_mib:.0f} MiB), batch 4 x 64 tokens per worker, dropout off. "
+        f"Without snapshots a step takes {raw['off_ms_per_step']:.0f} ms (median).\n\n"
+        "## Step-time overhead against no snapshots (same round's run without them)\n"
+    )
+    failure_table = markdown_table(failures, list(failures[0]))
+    footer = (
+        f"\n## A failure after step {FAIL_AT}, storage checkpoints every {SAVE_STEPS} steps\n\n{failure_table}"
+        "\nfailure_to_first_new_step_s: from the kill to the end of the first step of the restarted group "
+        "(Ray's restart, new processes, imports, model build, state loading, one step). state_loading_s: "
+        "from `resume_checkpoint()`'s start to the Trainer's `on_train_begin` (fetching and writing the "
+        "snapshot, then loading it; for local storage only the loading).\n"
+    )
+    columns = ["snapshot_every", "overhead_pct", "min_pct", "max_pct", "ms_per_step"]
+    data = {"overhead": overhead, "failures": failures, **raw}
+    print(write_results("recovery", overhead, columns, header, footer, data=data))
+    bar_plot(
+        RESULTS / "recovery.png",
+        [f"every {r['snapshot_every']}" for r in overhead],
+        [r["overhead_pct"] for r in overhead],
+        spans=[(r["min_pct"], r["max_pct"]) for r in overhead],
+        xlabel="step-time overhead vs no snapshots (%)",
+        title=f"memory snapshots, GPT-2 {a.n_layer}x{a.n_embd}, W=2",
+        ref=0.0,
+    )
+
+
+if __name__ == "__main__":
+    main()

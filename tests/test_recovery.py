@@ -1,0 +1,246 @@
+"""Recovery from peers' memory on a local multi-node Ray cluster (``ray.cluster_utils.Cluster``: each
+node a raylet of its own; removing one kills its processes, its snapshot holder included).
+
+Every run takes a memory snapshot at every step, saves to storage every SAVE steps, and fails
+between two storage checkpoints (after step KILL_AT). Each ends like the uninterrupted run
+(params, optimizer state, loss curve) and says where it resumed:
+- a killed worker process resumes from its own node's memory (no piece crosses nodes), while a
+  snapshot of another run sits newer on the same node, unseen;
+- a failure while a snapshot is being taken (torn: landed, never marked) resumes the one before;
+- a killed node resumes from the buddy copies, its replacement worker on a fresh node fetching
+  over the network;
+- an elastic run that loses a node goes on at 1 worker from memory, resharded 2 -> 1;
+- a node lost together with its buddy falls back to storage and says why.
+No holder outlives its run: after success, and after a run that fails for good.
+"""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer  # noqa: E402
+from hf_lowzero.ray.holder import NAMESPACE, SnapshotHolder, all_holder_names  # noqa: E402
+from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
+from hf_lowzero.snapshot import encode_piece  # noqa: E402
+from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS, SAVE, KILL_AT = 10, 4, 6
+HOLD_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node (no worker slot) and worker nodes with one worker slot each; tests add and remove them."""
+    if ray.is_initialized():
+        ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")  # see test_ray_elastic.py
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        root = str(Path(__file__).resolve().parents[1])  # workers import tests.* (the callback below)
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+        cluster.slot_nodes = []
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def with_slots(cluster, n: int) -> None:
+    """Exactly ``n`` worker nodes, fresh ones added as needed."""
+    while len(cluster.slot_nodes) > n:
+        cluster.remove_node(cluster.slot_nodes.pop())
+    while len(cluster.slot_nodes) < n:
+        cluster.slot_nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))
+    cluster.wait_for_nodes()
+
+
+def config(name: str, tmp_path: Path, model: tuple[str, str], **overrides) -> RayFinetuneConfig:
+    model_dir, corpus = model
+    fields = dict(num_workers=2, max_steps=STEPS, save_steps=SAVE, snapshot_every=1, per_device_train_batch_size=4,
+                  global_batch_size=8, model_name_or_path=model_dir, train_file=corpus, num_to_keep=3,
+                  resources_per_worker='{"worker_slot": 1}', storage_path=str(tmp_path), name=name,
+                  resize_check_interval_s=1)  # fmt: skip
+    return RayFinetuneConfig(**(fields | overrides))
+
+
+class HoldForNodeKill(TrainerCallback):
+    """Once per run, at step ``step`` after its snapshot landed on every holder: rank 0 writes every
+    rank's node id to ``signal``, and every rank waits for the test to kill nodes."""
+
+    def __init__(self, step: int, signal: Path) -> None:
+        self.step, self.signal = step, signal
+
+    def after_log_save_evaluate(self, trainer) -> None:
+        if trainer.state.global_step != self.step or self.signal.exists():
+            return
+        for taker in snapshot_takers():
+            taker.wait()
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+        if dist.get_rank() == 0:
+            self.signal.write_text(json.dumps(nodes))
+        time.sleep(HOLD_TIMEOUT_S)
+        raise RuntimeError(f"no node was killed within {HOLD_TIMEOUT_S} s of step {self.step}")
+
+
+def fit_killing_nodes(cluster, trainer, signal: Path, kill_ranks: list[int], fresh_nodes: int):
+    """Fit; when the run holds, kill the nodes of ``kill_ranks`` and add ``fresh_nodes`` new ones."""
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(trainer.fit)
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while not signal.exists():
+            assert not run.done(), f"the run ended before it held: {run.result()}"
+            assert time.monotonic() < deadline, "the run never held"
+            time.sleep(0.2)
+        nodes = json.loads(signal.read_text())
+        doomed = {nodes[r] for r in kill_ranks}
+        for node in [n for n in cluster.slot_nodes if n.node_id in doomed]:
+            cluster.slot_nodes.remove(node)
+            cluster.remove_node(node)
+        for _ in range(fresh_nodes):
+            cluster.slot_nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))
+        return run.result(timeout=HOLD_TIMEOUT_S)
+
+
+def final_tensors(result) -> dict[str, torch.Tensor]:
+    """Every tensor of the final checkpoint's optimizer shards: master weights and optimizer state."""
+    zero_dir = trainer_checkpoint(result.checkpoint.path) / TRAINER_SUBDIR
+    return {f"{f.name}/{k}": v for f in sorted(zero_dir.glob("zero_shard_*")) for k, v in load_file(f).items()}
+
+
+def loss_curve(result) -> list[dict]:
+    history = json.loads((trainer_checkpoint(result.checkpoint.path) / "trainer_state.json").read_text())
+    return [h for h in history["log_history"] if "loss" in h]
+
+
+def assert_like_uninterrupted(result, clean, same_world=True) -> None:
+    assert result.error is None
+    curve, expected = loss_curve(result), loss_curve(clean)
+    assert [h["step"] for h in curve] == list(range(1, STEPS + 1))
+    assert [h["loss"] for h in curve] == pytest.approx(
+        [h["loss"] for h in expected], rel=1e-4 if not same_world else 1e-6
+    )
+    if same_world:
+        tensors, expected_tensors = final_tensors(result), final_tensors(clean)
+        assert set(tensors) == set(expected_tensors)
+        for key, value in expected_tensors.items():
+            torch.testing.assert_close(tensors[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def assert_no_holders_left(timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while all_holder_names() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all_holder_names() == [], "snapshot holders outlived their run"
+
+
+@pytest.fixture(scope="module")
+def clean(cluster, no_dropout_model, tmp_path_factory):
+    """The uninterrupted run, snapshots on."""
+    with_slots(cluster, 2)
+    result = build_trainer(config("clean", tmp_path_factory.mktemp("clean"), no_dropout_model)).fit()
+    assert result.error is None and result.metrics["resumed_from"] == "none"
+    assert_no_holders_left()
+    curve = loss_curve(result)
+    assert curve[-1]["loss"] < 0.9 * curve[0]["loss"]  # a curve that moves, so a match means something
+    return result
+
+
+def decoy_holder(node_id: str):
+    """A holder of another run on ``node_id`` with a complete snapshot far newer than ours."""
+    holder = SnapshotHolder.options(name=f"another-run:{node_id}", namespace=NAMESPACE, lifetime="detached",
+                                    scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                                        node_id, soft=False)).remote(node_id, None)  # fmt: skip
+    piece = encode_piece({"master/w": torch.ones(4)}, {}, {"step": 999, "rank": 0, "world_size": 1, "records": {}})
+    assert ray.get(holder.put.remote(json.dumps(piece.manifest), piece.payload)) is None
+    ray.get(holder.mark.remote(999, 0, 1))
+    return holder
+
+
+def test_a_killed_process_resumes_from_its_own_nodes_memory_unseen_by_other_runs(cluster, clean, no_dropout_model,
+                                                                                   tmp_path):  # fmt: skip
+    with_slots(cluster, 2)
+    decoy = decoy_holder(cluster.slot_nodes[0].node_id)
+    result = build_trainer(config("process", tmp_path, no_dropout_model, inject_failure_at_step=KILL_AT)).fit()
+    # Killed at the end of step KILL_AT, before its snapshot: step KILL_AT - 1's, from its own node.
+    m = result.metrics
+    assert (m["resumed_from"], m["resumed_from_step"], m["newest_storage_step"]) == ("memory", KILL_AT - 1, SAVE)
+    assert m["memory_pieces_from_other_nodes"] == 0
+    assert_like_uninterrupted(result, clean)
+    assert ray.get(decoy.index.remote())["steps"] == {999: {"world_size": 1, "marked": [0], "pieces": [0]}}
+    ray.kill(decoy)
+    assert_no_holders_left()
+
+
+def test_a_torn_snapshot_is_never_used(cluster, clean, no_dropout_model, tmp_path):
+    with_slots(cluster, 2)
+    tear = InjectWorkerFailure(KILL_AT, tmp_path / "marker", during="snapshot")
+    result = build_trainer(config("torn", tmp_path, no_dropout_model), trainer_callbacks=[tear]).fit()
+    assert (tmp_path / "marker").exists()
+    assert (result.metrics["resumed_from"], result.metrics["resumed_from_step"]) == ("memory", KILL_AT - 1)
+    assert_like_uninterrupted(result, clean)
+    assert_no_holders_left()
+
+
+def test_a_killed_node_resumes_from_the_buddy_copies_on_a_fresh_node(cluster, clean, no_dropout_model, tmp_path):
+    with_slots(cluster, 2)
+    signal = tmp_path / "held"
+    trainer = build_trainer(
+        config("node", tmp_path, no_dropout_model), trainer_callbacks=[HoldForNodeKill(KILL_AT, signal)]
+    )
+    result = fit_killing_nodes(cluster, trainer, signal, kill_ranks=[1], fresh_nodes=1)
+    m = result.metrics
+    assert (m["resumed_from"], m["resumed_from_step"], m["newest_storage_step"]) == ("memory", KILL_AT, SAVE)
+    assert m["memory_pieces_from_other_nodes"] >= 1  # the worker on the fresh node fetched over the network
+    assert_like_uninterrupted(result, clean)
+    assert_no_holders_left()
+
+
+def test_an_elastic_run_that_loses_a_node_reshards_from_memory(cluster, clean, no_dropout_model, tmp_path):
+    with_slots(cluster, 2)
+    signal = tmp_path / "held"
+    elastic = config("elastic", tmp_path, no_dropout_model, num_workers=(1, 2))
+    trainer = build_trainer(elastic, trainer_callbacks=[HoldForNodeKill(KILL_AT, signal)])
+    result = fit_killing_nodes(cluster, trainer, signal, kill_ranks=[1], fresh_nodes=0)
+    m = result.metrics
+    assert (m["resumed_from"], m["resumed_from_step"], m["world_size"]) == ("memory", KILL_AT, 1)
+    assert [h["world_size"] for h in loss_curve(result)] == [2] * KILL_AT + [1] * (STEPS - KILL_AT)
+    assert_like_uninterrupted(result, clean, same_world=False)  # the same samples per step at 1 worker
+    assert_no_holders_left()
+
+
+def test_a_node_lost_with_its_buddy_falls_back_to_storage(cluster, no_dropout_model, tmp_path):
+    with_slots(cluster, 3)  # nodes A, B, C keep their copies on B, C, A: losing A and B loses A's shard
+    signal = tmp_path / "held"
+    three = config("buddies", tmp_path, no_dropout_model, num_workers=3, global_batch_size=None)
+    trainer = build_trainer(three, trainer_callbacks=[HoldForNodeKill(KILL_AT, signal)])
+    result = fit_killing_nodes(cluster, trainer, signal, kill_ranks=[0, 1], fresh_nodes=2)
+    assert result.error is None
+    m = result.metrics
+    assert (m["resumed_from"], m["resumed_from_step"]) == ("storage", SAVE)
+    assert "their node and its buddy node are both gone" in m["memory_not_used"]
+    assert [h["step"] for h in loss_curve(result)] == list(range(1, STEPS + 1))
+    assert_no_holders_left()
+
+
+def test_holders_are_released_when_a_run_fails_for_good(cluster, no_dropout_model, tmp_path):
+    with_slots(cluster, 2)
+    doomed = config("doomed", tmp_path, no_dropout_model, max_steps=4, inject_failure_at_step=3, max_failures=0)
+    result = build_trainer(doomed).fit()
+    assert result.error is not None
+    assert_no_holders_left()
