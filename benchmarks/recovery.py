@@ -84,7 +84,9 @@ class KillNodeAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != self.step or self.signal.exists():
             return
-        for taker in snapshot_takers():  # as InjectWorkerFailure: a snapshot on its way lands first
+        # As InjectWorkerFailure: Ray registered the storage checkpoints so far, every snapshot landed.
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        for taker in snapshot_takers():
             taker.wait()
         dist.barrier()
         if dist.get_rank() == dist.get_world_size() - 1:

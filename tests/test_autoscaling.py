@@ -67,6 +67,7 @@ def trial_results(storage: Path) -> dict[tuple[float, int], tuple[float, dict]]:
     return results
 
 
+@pytest.mark.slow
 def test_sweep_trials_get_worker_nodes_that_go_when_idle(cluster, tmp_path):
     assert cluster.alive_worker_nodes() == []
     head = cluster.head_node_id()
@@ -97,6 +98,7 @@ def test_sweep_trials_get_worker_nodes_that_go_when_idle(cluster, tmp_path):
     assert "error=True" not in out
 
 
+@pytest.mark.slow
 def test_submitted_job_trains_on_a_new_worker_node(cluster, tmp_path):
     cluster.wait_for_worker_nodes(lambda n: n == 0, timeout_s=SCALE_DOWN_S)
     before = cluster.train_worker_placements()
