@@ -70,6 +70,7 @@ def shard_files(out: Path) -> list[str]:
     return sorted(p.name for p in (out / f"checkpoint-{STEPS}" / TRAINER_SUBDIR).glob("zero_shard_rank*"))
 
 
+@pytest.mark.slow  # launches torchrun / accelerate subprocesses: the second tier
 def test_example_finetunes_with_torchrun(torchrun_out):
     out, stdout = torchrun_out
     line = next(s for s in stdout.splitlines() if s.startswith("zero_stage=2"))
@@ -78,6 +79,7 @@ def test_example_finetunes_with_torchrun(torchrun_out):
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
 
 
+@pytest.mark.slow  # launches torchrun / accelerate subprocesses: the second tier
 def test_accelerate_launch_matches_torchrun(torchrun_out, tmp_path):
     ref, _ = torchrun_out
     out = tmp_path / "clm"
@@ -94,6 +96,7 @@ def test_accelerate_launch_matches_torchrun(torchrun_out, tmp_path):
         assert torch.equal(tensor, ref_weights[name]), name
 
 
+@pytest.mark.slow  # launches torchrun / accelerate subprocesses: the second tier
 def test_accelerate_launch_starting_one_process_for_two_is_refused(tmp_path):
     # [Note: accelerate launch on CPU]: without --multi_gpu the script runs once. Training a world
     # of 1 would silently halve the global batch --num_processes 2 asked for: the Trainer must

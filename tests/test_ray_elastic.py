@@ -88,6 +88,7 @@ def loss_curve(result) -> list[dict]:
     return [h for h in history["log_history"] if "loss" in h]
 
 
+@pytest.mark.slow
 def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cluster, no_dropout_model, tmp_path):
     cluster, nodes = slot_cluster
     model_dir, corpus = no_dropout_model

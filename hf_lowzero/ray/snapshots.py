@@ -85,7 +85,6 @@ class MemorySnapshots(TrainerCallback):
         self._own = holder_for(self.run, node)
         self._buddy = holder_for(self.run, buddy) if buddy is not None else None
         self._holders = [holder_for(self.run, n) for n in dict.fromkeys(nodes)]
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_lowzero_snapshot")
 
     @property
     def one_node(self) -> bool:
@@ -125,6 +124,7 @@ class MemorySnapshots(TrainerCallback):
         """Wait for snapshots on their way and free the host buffers."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+            self._executor = None
             self._collect(time.perf_counter())
         if self._stager is not None:
             self._stager.close()
@@ -148,8 +148,11 @@ class MemorySnapshots(TrainerCallback):
             self.schedule.observe_snapshot(f.stopped_s, f.busy_steps)
 
     def _take(self, trainer, step: int, start: float) -> None:
+        if self._stager is not None and self._stager.opt is not trainer.zero_optimizer:
+            self.close()  # a new optimizer (model_init, a second train()): new buffers for it
         if self._stager is None:
             self._stager = ShardStager(trainer.zero_optimizer)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_lowzero_snapshot")
         staged = self._stager.stage(step)
         fields = trainer_manifest(trainer, include_state=self.rank == 0)
         future = self._executor.submit(self._send, staged, fields)
