@@ -10,15 +10,18 @@ Tune sweep, never see each other's pieces.
 Example (inside a Ray Train worker)::
 
     holder = holder_for(run, node_id)                                  # get or create
-    holder.put.remote(json.dumps(piece.manifest), piece.payload)        # verified as it lands
+    holder.put.remote(json.dumps(piece.manifest), piece.payload)        # its structure checked as it lands
     holder.mark.remote(step, rank, world_size)                          # this rank's piece and its copy landed
 
 # [Note: complete snapshot]
 # A rank marks step S on every holder of the run only after both its pieces (own node, buddy
-# node) landed and passed their checksums. S is complete when every rank of S marked it; only a
-# complete snapshot is ever restored, so a failure while a snapshot is being taken (a torn
-# snapshot) resumes the previous one. A holder keeps the newest complete snapshot and anything
-# newer in progress, and drops the rest as soon as a newer snapshot completes.
+# node) landed whole: the holder checked the format, the length and every tensor's extent. S is
+# complete when every rank of S marked it; only a complete snapshot is ever restored, so a failure
+# while a snapshot is being taken (a torn snapshot) resumes the previous one. Every chunk's checksum
+# is checked when a restore fetches the pieces, before any is used: one pass per restore instead of
+# one per snapshot on a holder whose CPU training may need, and a piece that fails sends every rank
+# to storage together (``restore.py``), never into a restart loop. A holder keeps the newest
+# complete snapshot and anything newer in progress, and drops the rest as soon as a newer one completes.
 
 # [Note: holder lifetime]
 # A holder is detached (it must outlive the worker group that created it) and watches the run's
@@ -88,7 +91,7 @@ class SnapshotHolder:
     def put(self, manifest_json: str, payload: bytes) -> str | None:
         """Keep a piece after checking it; returns what is wrong with it, or None when it landed."""
         manifest = json.loads(manifest_json)
-        error = payload_error(manifest, payload)
+        error = payload_error(manifest, payload, checksums=False)
         if error is not None:
             return error
         with self._lock:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.ray.holder import NAMESPACE, current_run, run_holders
-from hf_lowzero.snapshot.format import write_part, write_zero_metadata
+from hf_lowzero.snapshot.format import safetensors_error, write_part, write_zero_metadata
 from hf_lowzero.trainer.snapshot_files import write_trainer_files
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,18 @@ def newest_state(storage_folder: str | None) -> ResumeSource:
         if reason and rank == 0:
             logger.warning("[hf_lowzero] %s", reason)
         return _last
-    _materialize(plan, rank)
-    dist.barrier()  # every node's folder is complete
+    error = _materialize(plan, rank)
+    errors: list[str | None] = [None] * world_size
+    dist.all_gather_object(errors, error)  # every node's folder is complete, or all ranks go to storage
+    errors = [e for e in errors if e is not None]
+    if errors:
+        shutil.rmtree(plan.folder, ignore_errors=True)
+        reason = f"the memory snapshot of step {plan.step} is damaged ({errors[0]}); resuming from storage"
+        if rank == 0:
+            logger.warning("[hf_lowzero] %s", reason)
+        kind = "storage" if storage_folder else "none"
+        _last = ResumeSource(kind, storage_step, storage_step, storage_folder, reason, started_at=started_at)
+        return _last
     folder = str(Path(plan.folder) / f"checkpoint-{plan.step}")
     if rank == 0:
         storage = f"newest storage checkpoint {storage_step}" if storage_folder else "no storage checkpoint yet"
@@ -180,13 +190,21 @@ def _nearest(names: list[str], node: str, node_of_holder: dict[str, str]) -> str
     return next((n for n in names if node_of_holder[n] == node), names[0])
 
 
-def _materialize(plan: _Plan, rank: int) -> None:
-    """Fetch this rank's parts and write its share of its node's checkpoint folder."""
+def _materialize(plan: _Plan, rank: int) -> str | None:
+    """Fetch this rank's parts, check every checksum, and write its share of its node's checkpoint
+    folder; returns what was wrong instead, or None."""
     checkpoint = Path(plan.folder) / f"checkpoint-{plan.step}"
     zero_dir = checkpoint / TRAINER_SUBDIR
     fetches = plan.fetch[rank]
-    handles = {name: ray.get_actor(name, namespace=NAMESPACE) for _, _, name in fetches}
-    blobs = ray.get([handles[name].part.remote(plan.step, j, part) for j, part, name in fetches])
+    try:
+        handles = {name: ray.get_actor(name, namespace=NAMESPACE) for _, _, name in fetches}
+        blobs = ray.get([handles[name].part.remote(plan.step, j, part) for j, part, name in fetches])
+    except (ValueError, ray.exceptions.RayActorError) as e:  # its holder went away since rank 0 asked
+        return f"a holder of rank {rank}'s pieces is gone: {e}"
+    for (j, part, name), data in zip(fetches, blobs):
+        error = safetensors_error(data)
+        if error is not None:
+            return f"part {part!r} of rank {j} held by {name}: {error}"
     for (j, part, _), data in zip(fetches, blobs):
         write_part(zero_dir, plan.manifests[j], part, data)
     leader = rank in plan.leaders
@@ -194,3 +212,4 @@ def _materialize(plan: _Plan, rank: int) -> None:
         write_zero_metadata(zero_dir, plan.manifests)
     rng_ranks = [j for j, part, _ in fetches if part == "shard"]
     write_trainer_files(checkpoint, plan.manifests, rng_ranks, common=leader)
+    return None

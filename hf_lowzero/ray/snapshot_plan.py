@@ -8,8 +8,8 @@ Example::
     >>> buddy_nodes(["a", "a"])                 # one node: no buddy, process loss only
     [None, None]
     >>> schedule = SnapshotSchedule("auto")
-    >>> [schedule.due(step) for step in (1, 2, 3, 4)]   # warm-up steps measure the step time
-    [False, False, False, True]
+    >>> [schedule.due(step) for step in range(1, 7)]   # warm-up steps measure the step time
+    [False, False, False, False, False, True]
 
 # [Note: auto interval]
 # ``snapshot_every="auto"`` measures what a snapshot costs on this run and picks the interval that
@@ -19,7 +19,8 @@ Example::
 # it: the time the step loop was stopped for the copy, plus how much longer than that median the
 # steps ran while the snapshot was encoded and sent in the background (on a machine whose cores
 # all train, the background work slows them; on a GPU node it mostly does not). The interval is
-# ceil(cost / (2% of a step)), at least 1, re-decided at every snapshot from the mean cost so far;
+# ceil(cost / (2% of a step)), at least 1, re-decided at every snapshot from the median cost of the
+# last 20 (one slow snapshot does not stretch the interval);
 # ranks take the largest rank's choice, so that every rank snapshots the same steps.
 """
 
@@ -30,7 +31,7 @@ import statistics
 
 AUTO = "auto"
 AUTO_OVERHEAD = 0.02
-WARMUP = 3
+WARMUP = 5
 MAX_INTERVAL = 10_000
 
 
@@ -96,8 +97,8 @@ class SnapshotSchedule:
 
     @property
     def cost_s(self) -> float | None:
-        """The mean measured cost of a snapshot, or None before the first finished."""
-        return statistics.fmean(self._costs[-20:]) if self._costs else None
+        """The measured cost of a snapshot (the median of the last 20), or None before the first finished."""
+        return statistics.median(self._costs[-20:]) if self._costs else None
 
     def proposed_interval(self) -> int:
         """This rank's interval ([Note: auto interval]): the fixed one, or the one its measurements give."""

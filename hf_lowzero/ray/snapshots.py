@@ -85,6 +85,9 @@ class MemorySnapshots(TrainerCallback):
         self._own = holder_for(self.run, node)
         self._buddy = holder_for(self.run, buddy) if buddy is not None else None
         self._holders = [holder_for(self.run, n) for n in dict.fromkeys(nodes)]
+        # Started now, not during the first snapshot: a holder's start (a process importing torch)
+        # would be charged to that snapshot and to the steps it overlaps.
+        ray.get([h.index.remote() for h in self._holders])
 
     @property
     def one_node(self) -> bool:
@@ -134,7 +137,7 @@ class MemorySnapshots(TrainerCallback):
         """Account the step that just ended, and every snapshot that finished."""
         if self._last_time is not None:
             seconds = now - self._last_time
-            busy = any(not f.future.done() for f in self._in_flight)
+            busy = bool(self._in_flight)  # a snapshot was on its way during (part of) this step
             for f in self._in_flight:
                 f.busy_steps.append(seconds)
             self.schedule.observe_step(seconds, busy)
