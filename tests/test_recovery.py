@@ -245,4 +245,25 @@ def test_holders_are_released_when_a_run_fails_for_good(cluster, no_dropout_mode
     doomed = config("doomed", tmp_path, no_dropout_model, max_steps=4, inject_failure_at_step=3, max_failures=0)
     with pytest.raises(ray.train.TrainingFailedError):
         build_trainer(doomed).fit()
+    # Released by the run's ReleaseSnapshots callback, while the error (and through its traceback
+    # the run's controller) is still alive here.
     assert_no_holders_left()
+
+
+def test_a_holder_exits_once_its_runs_controller_is_gone(cluster):
+    """The last line of [Note: holder lifetime]: a driver killed with its run leaves no holder."""
+    with_slots(cluster, 1)
+    controller = ray.remote(num_cpus=0)(_StandIn).remote()
+    node = cluster.slot_nodes[0].node_id
+    holder = SnapshotHolder.options(name=f"watched:{node}", namespace=NAMESPACE, lifetime="detached").remote(
+        node, controller._actor_id.hex(), 0.2
+    )
+    assert ray.get(holder.index.remote())["steps"] == {}
+    time.sleep(2)
+    assert all_holder_names() == [f"watched:{node}"], "a holder of a live run exited"
+    ray.kill(controller)
+    assert_no_holders_left()
+
+
+class _StandIn:
+    """Stands in for a run's Ray Train controller."""

@@ -19,15 +19,19 @@ from hf_lowzero.ray.config import RayFinetuneConfig
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
 from hf_lowzero.ray.faults import InjectWorkerFailure
+from hf_lowzero.ray.holder import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
 from hf_lowzero.ray.recipe import build_trainer, merge_run_config, run_finetune, train_loop_per_worker
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+from hf_lowzero.ray.snapshots import MemorySnapshots
 
 __all__ = [
     "ConsoleProgress",
     "InjectWorkerFailure",
+    "MemorySnapshots",
     "RayFinetuneConfig",
     "RecordWorldSize",
+    "ReleaseSnapshots",
     "ReportShardedCheckpoints",
     "accumulation_for_global_batch",
     "build_trainer",

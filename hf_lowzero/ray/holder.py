@@ -24,11 +24,16 @@ Example (inside a Ray Train worker)::
 # complete snapshot and anything newer in progress, and drops the rest as soon as a newer one completes.
 
 # [Note: holder lifetime]
-# A holder is detached (it must outlive the worker group that created it) and watches the run's
-# Ray Train controller, which lives exactly as long as the run: through every restart, until the
-# run ends, fails for good, or is stopped. Once the controller is gone the holder exits and its
-# memory is freed. It checks the controller's state in the GCS by id, never through a handle (a
-# handle would keep the controller alive). A run that ends normally releases its holders at once.
+# A holder is detached: it must outlive the worker group that created it, through every restart.
+# Three things end it, and its memory with it:
+# - the run finishing, successfully or failed for good, or being aborted (Ctrl-C, a Tune stop):
+#   ``ReleaseSnapshots``, a callback of the run's Ray Train controller (the Ray job's recipe adds
+#   it; add it to your own ``RunConfig(callbacks=[...])``), ends every holder of the run;
+# - training ending normally: the first rank ends them (``MemorySnapshots.on_train_end``);
+# - the run's controller going away (the driver exited or was killed, a Tune trial died): each
+#   holder watches it in the GCS by id, never through a handle (a handle would keep it alive), and
+#   exits within seconds. A finished controller may live on while its driver does (Ray Train's
+#   SIGINT handler holds it), which is why the callback, not the watch, is the first line.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback  # Ray Train V2's; no public name
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hf_lowzero.snapshot.format import payload_error
@@ -185,6 +191,25 @@ def release_run(run_id: str) -> None:
     """End every holder of run ``run_id`` now (their memory is freed)."""
     for handle in run_holders(run_id).values():
         ray.kill(handle)
+
+
+class ReleaseSnapshots(ControllerCallback):
+    """A Ray Train controller callback that ends the run's snapshot holders when the run finishes
+    (successfully or failed for good) or is aborted ([Note: holder lifetime]).
+
+    Example::
+
+        TorchTrainer(train_func, run_config=RunConfig(callbacks=[ReleaseSnapshots()]), ...).fit()
+    """
+
+    def after_controller_start(self, train_run_context) -> None:
+        self.run_id = train_run_context.run_id
+
+    def after_controller_finish(self, result) -> None:
+        release_run(self.run_id)
+
+    def before_controller_abort(self) -> None:
+        release_run(self.run_id)
 
 
 def _actor_alive(actor_id: str) -> bool:

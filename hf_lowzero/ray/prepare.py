@@ -48,7 +48,9 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
     storage, so a lost worker or node costs at most that many steps; ``"auto"`` picks the interval
     that keeps them within 2% of training time. It needs a ZeRO trainer (``LowZeroTrainer``, or a
     ``with_zero`` twin, with ``zero_stage`` 1 or 2). ``resume_checkpoint()`` then resumes the newer
-    of the newest complete snapshot and the newest storage checkpoint.
+    of the newest complete snapshot and the newest storage checkpoint. Add ``ReleaseSnapshots()`` to
+    the ``TorchTrainer``'s ``RunConfig(callbacks=[...])`` so that a run that fails for good frees
+    them at once (else when its driver exits; one that ends normally frees them itself).
 
     Raises ``RuntimeError`` outside a Ray Train worker (call it inside the training function) or
     when the trainer's world does not match the worker group's, and ``ValueError`` when the trainer

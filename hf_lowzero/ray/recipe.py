@@ -31,6 +31,7 @@ from hf_lowzero.ray.attempts import record_attempt
 from hf_lowzero.ray.config import RayFinetuneConfig
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.faults import InjectWorkerFailure
+from hf_lowzero.ray.holder import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
 from hf_lowzero.recipes.clm import clm_trainer
@@ -78,8 +79,17 @@ def build_trainer(
             resources_per_worker=config.resources_per_worker_dict(),
             elastic_resize_monitor_interval_s=config.resize_check_interval_s,
         ),
-        run_config=merge_run_config(run_config, job_run_config),
+        run_config=with_snapshot_release(merge_run_config(run_config, job_run_config)),
     )
+
+
+def with_snapshot_release(run_config: RunConfig) -> RunConfig:
+    """``run_config`` with ``ReleaseSnapshots`` among its callbacks (once): the run's memory
+    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime])."""
+    callbacks = list(run_config.callbacks or [])
+    if not any(isinstance(cb, ReleaseSnapshots) for cb in callbacks):
+        callbacks.append(ReleaseSnapshots())
+    return dataclasses.replace(run_config, callbacks=callbacks)
 
 
 def merge_run_config(caller: RunConfig | None, defaults: RunConfig) -> RunConfig:
