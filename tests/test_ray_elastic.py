@@ -19,11 +19,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import torch.distributed as dist  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_lowzero.ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers  # noqa: E402
+from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of, trainer_checkpoint  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
 
@@ -35,22 +35,8 @@ HOLD_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def slot_cluster():
     """A head node (no worker slot) and two nodes with one worker slot each."""
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray Train hands RAY_TRAIN_* on to its controller: a restart sized by the autoscaling
-        # coordinator's stale view (refreshed every 20 s) for a lost node gives up after 5 s, not 60 s.
-        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-        nodes = [cluster.add_node(num_cpus=1, resources={"worker_slot": 1}) for _ in range(2)]
-        root = str(Path(__file__).resolve().parents[1])  # workers import tests.* (the callback below)
-        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
-        try:
-            yield cluster, nodes
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    with ray_clusters.slot_cluster(2) as (cluster, nodes):
+        yield cluster, nodes
 
 
 class HoldForCapacityChange(TrainerCallback):
@@ -108,7 +94,7 @@ def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cl
         wait_for(signals / f"hold_{SHRINK_AT}", run)
         cluster.remove_node(nodes.pop())  # capacity lost: the worker on that node dies with it
         wait_for(signals / f"hold_{GROW_AT}", run)
-        nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))  # capacity back
+        nodes.append(ray_clusters.add_slot_node(cluster))  # capacity back
         elastic = run.result(timeout=HOLD_TIMEOUT_S)
     assert elastic.error is None
 

@@ -25,7 +25,6 @@ ray = pytest.importorskip("ray")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -34,6 +33,7 @@ from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer
 from hf_lowzero.ray.holder import NAMESPACE, SnapshotHolder, all_holder_names  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
 from hf_lowzero.snapshot import encode_piece  # noqa: E402
+from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow  # long Ray runs: the second tier (README, .ci/run)
@@ -43,21 +43,11 @@ HOLD_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head node (no worker slot) and worker nodes with one worker slot each; tests add and remove them."""
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")  # see test_ray_elastic.py
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-        root = str(Path(__file__).resolve().parents[1])  # workers import tests.* (the callback below)
-        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
-        cluster.slot_nodes = []
-        try:
-            yield cluster
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    """A head node (no worker slot) and worker nodes of one worker slot each (``slot_nodes``), which
+    the tests add and remove."""
+    with ray_clusters.slot_cluster(0) as (cluster, nodes):
+        cluster.slot_nodes = nodes
+        yield cluster
 
 
 def with_slots(cluster, n: int) -> None:
@@ -65,7 +55,7 @@ def with_slots(cluster, n: int) -> None:
     while len(cluster.slot_nodes) > n:
         cluster.remove_node(cluster.slot_nodes.pop())
     while len(cluster.slot_nodes) < n:
-        cluster.slot_nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))
+        cluster.slot_nodes.append(ray_clusters.add_slot_node(cluster))
     cluster.wait_for_nodes()
 
 
@@ -115,7 +105,7 @@ def fit_killing_nodes(cluster, trainer, signal: Path, kill_ranks: list[int], fre
             cluster.slot_nodes.remove(node)
             cluster.remove_node(node)
         for _ in range(fresh_nodes):
-            cluster.slot_nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": 1}))
+            cluster.slot_nodes.append(ray_clusters.add_slot_node(cluster))
         return run.result(timeout=HOLD_TIMEOUT_S)
 
 
