@@ -108,9 +108,14 @@ class MemorySnapshots(TrainerCallback):
         self._last_time = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if not self._resume_discarded:  # the Trainer has loaded it (RNG states included) by now
+        if not self._resume_discarded:
             self._resume_discarded = True
-            discard(last_resume())
+            resumed = last_resume()
+            if resumed is not None and resumed.kind == "memory":
+                # Each rank reads its own RNG file before its first step, with no collective: the
+                # node's folder goes once every rank has (the decision is the same on every rank).
+                dist.barrier()
+                discard(resumed)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
