@@ -199,6 +199,7 @@ def test_snapshot_schedule_fixed_and_auto():
     quick.observe_snapshot(0.0005, busy_step_s=[0.095, 0.1])  # faster than the median: noise, not a gain
     assert quick.cost_s == pytest.approx(0.0005) and quick.proposed_interval() == 1
     assert check_every("7") == 7 and check_every(None) is None and check_every("auto") == "auto"
+    assert check_every("off") is None and check_every("None") is None
     for bad in (0, -1, "often", 2.5, True):
         with pytest.raises(ValueError, match="snapshot_every"):
             check_every(bad)

@@ -117,7 +117,13 @@ def chunk_checksums(tensor: torch.Tensor) -> list[int]:
     """CRC-32 of each CHECKSUM_CHUNK_NUMEL-element chunk of ``tensor`` flattened (last one shorter)."""
     flat = tensor.detach().contiguous().reshape(-1)
     raw = memoryview(flat.view(torch.uint8).numpy())  # the bytes as stored (numpy has no bf16)
-    step = CHECKSUM_CHUNK_NUMEL * flat.element_size()
+    return byte_chunk_checksums(raw, flat.element_size())
+
+
+def byte_chunk_checksums(raw: bytes | memoryview, element_size: int) -> list[int]:
+    """CRC-32 of each CHECKSUM_CHUNK_NUMEL-element chunk of a tensor's bytes (``element_size`` bytes
+    an element): the same checksums as ``chunk_checksums``, from bytes alone (no torch needed)."""
+    step = CHECKSUM_CHUNK_NUMEL * element_size
     return [zlib.crc32(raw[i : i + step]) for i in range(0, len(raw), step)]
 
 

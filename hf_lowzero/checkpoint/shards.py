@@ -161,10 +161,11 @@ def scalar_from_json(value: Any) -> Any:
     return value
 
 
-def atomic_write(target: Path, write, tmp: Path | None = None) -> None:
-    """``write(tmp_path)``, fsync, then rename over ``target``: readers never see half a file.
-    ``tmp`` names the temporary file (default ``<target>.tmp``)."""
-    tmp = tmp or target.with_name(target.name + ".tmp")
+def atomic_write(target: Path, write) -> None:
+    """``write(tmp_path)``, fsync, then rename over ``target``: readers never see half a file. The
+    temporary name is this process's own, so processes writing the same file (the ranks of one node
+    writing a snapshot's shared files) never write into each other's."""
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     write(str(tmp))
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())

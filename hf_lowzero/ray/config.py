@@ -104,8 +104,6 @@ class RayFinetuneConfig:
                 )
             for world in worker_range(self.num_workers):
                 self.gradient_accumulation_for(world)  # raises if the global batch does not divide
-        if isinstance(self.snapshot_every, str) and self.snapshot_every.lower() in ("off", "none"):
-            self.snapshot_every = None
         self.snapshot_every = check_every(self.snapshot_every)
         check_stage(self.zero_stage, "zero_stage", allow_off=True)
         ZeroConfig(partition=self.zero_partition)  # raises on a bad --zero-partition

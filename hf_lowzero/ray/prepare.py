@@ -83,7 +83,7 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
     callbacks = trainer.callback_handler.callbacks
     reporters = [cb for cb in callbacks if isinstance(cb, ReportShardedCheckpoints)]
     if reporters:
-        taken = [cb.every for cb in callbacks if isinstance(cb, MemorySnapshots)] or [None]
+        taken = [cb.schedule.every for cb in callbacks if isinstance(cb, MemorySnapshots)] or [None]
         if (reporters[0].upload, taken[0]) != (upload, snapshot_every):
             raise ValueError(
                 f"trainer is already prepared with upload={reporters[0].upload!r}, snapshot_every={taken[0]!r}, "

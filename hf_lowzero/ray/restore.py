@@ -91,23 +91,20 @@ def newest_state(storage_folder: str | None) -> ResumeSource:
         decision = [_decide(storage_step, nodes)]
     dist.broadcast_object_list(decision, src=0)
     plan, reason = decision[0]
+    if plan is not None:
+        error = _materialize(plan, rank)
+        errors: list[str | None] = [None] * world_size
+        dist.all_gather_object(errors, error)  # every node's folder is complete, or all ranks go to storage
+        errors = [e for e in errors if e is not None]
+        if errors:
+            shutil.rmtree(plan.folder, ignore_errors=True)
+            reason = f"the memory snapshot of step {plan.step} is damaged ({errors[0]}); resuming from storage"
+            plan = None
     if plan is None:
         kind = "storage" if storage_folder else "none"
         _last = ResumeSource(kind, storage_step, storage_step, storage_folder, reason, started_at=started_at)
         if reason and rank == 0:
             logger.warning("[hf_lowzero] %s", reason)
-        return _last
-    error = _materialize(plan, rank)
-    errors: list[str | None] = [None] * world_size
-    dist.all_gather_object(errors, error)  # every node's folder is complete, or all ranks go to storage
-    errors = [e for e in errors if e is not None]
-    if errors:
-        shutil.rmtree(plan.folder, ignore_errors=True)
-        reason = f"the memory snapshot of step {plan.step} is damaged ({errors[0]}); resuming from storage"
-        if rank == 0:
-            logger.warning("[hf_lowzero] %s", reason)
-        kind = "storage" if storage_folder else "none"
-        _last = ResumeSource(kind, storage_step, storage_step, storage_folder, reason, started_at=started_at)
         return _last
     folder = str(Path(plan.folder) / f"checkpoint-{plan.step}")
     if rank == 0:

@@ -30,6 +30,7 @@ import math
 import statistics
 
 AUTO = "auto"
+OFF = ("off", "none")
 AUTO_OVERHEAD = 0.02
 WARMUP = 5
 MAX_INTERVAL = 10_000
@@ -47,7 +48,10 @@ def buddy_nodes(node_of_rank: list[str]) -> list[str | None]:
 
 
 def check_every(every: int | str | None) -> int | str | None:
-    """``snapshot_every`` validated: None (off), a positive int, or ``"auto"``."""
+    """``snapshot_every`` validated: None (or ``"off"``: no snapshots), a positive int (or its digits),
+    or ``"auto"``."""
+    if isinstance(every, str) and every.lower() in OFF:
+        return None
     if every is None or every == AUTO:
         return every
     if isinstance(every, str) and every.isdigit():

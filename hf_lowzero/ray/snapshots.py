@@ -59,10 +59,8 @@ class MemorySnapshots(TrainerCallback):
 
     def __init__(self, every: int | str = "auto") -> None:
         self.schedule = SnapshotSchedule(every)
-        self.every = every
         self.fault: tuple[int, Callable[[], None]] | None = None  # tests: (step, kill) between landing and marks
         self.snapshots_taken = 0
-        self.snapshots_landed = 0
         self.stopped_s = 0.0  # seconds the step loop stopped for snapshots (copies and agreement)
         self._stager: ShardStager | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -152,7 +150,6 @@ class MemorySnapshots(TrainerCallback):
             if error is not None:
                 logger.warning("[hf_lowzero] the memory snapshot of step %d was not kept: %s", f.step, error)
                 continue
-            self.snapshots_landed += 1
             self.schedule.observe_snapshot(f.stopped_s, f.busy_steps)
 
     def _take(self, trainer, step: int, start: float) -> None:
@@ -208,7 +205,7 @@ class MemorySnapshots(TrainerCallback):
         shard = sum(t.numel() * t.element_size() for t in staged.shard.values())
         per_node = max(self.nodes.count(n) for n in set(self.nodes))
         kept = 2 if self.one_node else 4  # (own [+ buddy's]) x (newest complete + one in progress)
-        every = f"every {self.every} steps" if not self.schedule.auto else f"auto (within {AUTO_OVERHEAD:.0%})"
+        every = f"every {self.schedule.every} steps" if not self.schedule.auto else f"auto (within {AUTO_OVERHEAD:.0%})"
         logger.info(
             "[hf_lowzero] memory snapshots %s: %.1f MiB per rank's shard; a node holds up to %.1f MiB "
             "(%d x %d ranks' shards) and each worker %.1f MiB of staging buffers",

@@ -10,8 +10,8 @@ code of its own. Params are not kept: after a step they are the fp32 master rows
 
 Example::
 
-    piece = encode_piece(staged, manifest)            # on the rank, in the background
-    assert payload_error(piece.payload) is None       # on the holder, as it lands
+    piece = encode_piece(shard, extras, manifest)                          # on the rank, in the background
+    assert payload_error(piece.manifest, piece.payload, checksums=False) is None   # a holder, as it lands
     write_part("resume/checkpoint-15/zero_optimizer", manifest, "shard", data)   # at restore
     write_zero_metadata("resume/checkpoint-15/zero_optimizer", manifests)
 """
@@ -19,9 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +28,9 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from hf_lowzero.checkpoint.layout import (
-    CHECKSUM_CHUNK_NUMEL,
     EXTRAS_FILE,
     META_FILE,
+    byte_chunk_checksums,
     file_checksums,
     rank_file_name,
 )
@@ -57,10 +55,6 @@ class Piece:
     @property
     def step(self) -> int:
         return self.manifest["step"]
-
-    @property
-    def rank(self) -> int:
-        return self.manifest["rank"]
 
     def part(self, name: str) -> memoryview:
         start, end = self.manifest["parts"][name]
@@ -124,9 +118,8 @@ def safetensors_error(blob: bytes | memoryview, checksums: bool = True) -> str |
             return f"{key!r} has no checksum"
         if not checksums:
             continue
-        step = CHECKSUM_CHUNK_NUMEL * _ITEMSIZE[info["dtype"]]
         expected = stored.split()
-        actual = [zlib.crc32(data[i : min(i + step, end)]) for i in range(start, end, step)]
+        actual = byte_chunk_checksums(data[start:end], _ITEMSIZE[info["dtype"]])
         if len(actual) != len(expected) or any(int(e, 16) != a for e, a in zip(expected, actual)):
             return f"{key!r} does not match its checksum"
     return None
@@ -164,7 +157,7 @@ def write_part(zero_dir: str | Path, manifest: dict[str, Any], part: str, data: 
         raise ValueError(f"part {part!r} of rank {manifest['rank']}: {len(data)} bytes, expected {end - start}")
     path = Path(zero_dir) / part_file_name(manifest["rank"], part, manifest["world_size"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_bytes(path, data)
+    atomic_write(path, lambda f: Path(f).write_bytes(data))
     return path
 
 
@@ -172,11 +165,5 @@ def write_zero_metadata(zero_dir: str | Path, manifests: dict[int, dict[str, Any
     """Write ``zero_meta.json`` of the snapshot whose manifests are ``manifests`` (every rank's)."""
     path = Path(zero_dir) / META_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_bytes(path, json.dumps(zero_metadata(manifests), indent=1).encode())
+    atomic_write(path, lambda f: Path(f).write_text(json.dumps(zero_metadata(manifests), indent=1)))
     return path
-
-
-def _write_bytes(path: Path, data: bytes | memoryview) -> None:
-    # Unique temporary names: ranks of one node may write the same file at once.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    atomic_write(path, lambda f: Path(f).write_bytes(data), tmp=tmp)

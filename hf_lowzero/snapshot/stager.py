@@ -12,7 +12,7 @@ Example::
 # Everything slower (checksums, serializing, sending to the holders) runs in a background thread
 # from that copy, so the next step runs while the previous snapshot is still being encoded from the
 # other buffer. ``stage()`` waits only when both buffers are still being encoded (a snapshot asked
-# for before the one two snapshots back finished encoding), and counts that wait in ``wait_s``.
+# for before the one two snapshots back finished encoding); the caller's timing of ``stage()`` counts it.
 # On CUDA the copy itself is asynchronous: it runs on a side stream into pinned buffers, after the
 # step's kernels, while the next forward and backward run; the next optimizer step (the first
 # kernel that writes the copied tensors) waits for it through a step pre-hook, and the encoder
@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,22 +73,17 @@ class ShardStager:
         self._stream: torch.cuda.Stream | None = None
         self._pending_copy: torch.cuda.Event | None = None
         self._hook = opt.register_step_pre_hook(self._before_step)
-        self.wait_s = 0.0
-        self.buffer_bytes = 0
 
     def stage(self, step: int) -> Staged:
         """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged."""
         view = ShardView.of(self.opt)
         tensors, records = shard_tensors(view)
         i, self._next = self._next, 1 - self._next
-        start = time.perf_counter()
         self._free[i].wait()
-        self.wait_s += time.perf_counter() - start
         self._free[i].clear()
         buffers = self._buffers[i]
         if buffers is None or _layout(buffers) != _layout(tensors):
             buffers = self._buffers[i] = {k: _host_like(t) for k, t in tensors.items()}
-            self.buffer_bytes = sum(_nbytes(b) for b in self._buffers if b is not None)
         copied = self._copy(tensors, buffers)
         manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size, "records": records}
         extras: dict[str, torch.Tensor] = {}
@@ -144,7 +138,3 @@ def _layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-
-
-def _nbytes(buffers: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in buffers.values())

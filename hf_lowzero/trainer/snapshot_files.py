@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -64,13 +63,15 @@ def write_trainer_files(
     for rank in rng_ranks:
         name = "rng_state.pth" if saved_world == 1 else f"rng_state_{rank}.pth"
         rng = rng_from_json(manifests[rank]["rng"])
-        _write(folder / name, lambda f, rng=rng: torch.save(rng, f))
+        atomic_write(folder / name, lambda f, rng=rng: torch.save(rng, f))
     if not common:
         return
-    _write(folder / TRAINER_STATE_NAME, lambda f: Path(f).write_text(json.dumps(first["trainer_state"], indent=2)))
-    _write(folder / SCHEDULER_NAME, lambda f: torch.save(first["scheduler"], f))
+    atomic_write(
+        folder / TRAINER_STATE_NAME, lambda f: Path(f).write_text(json.dumps(first["trainer_state"], indent=2))
+    )
+    atomic_write(folder / SCHEDULER_NAME, lambda f: torch.save(first["scheduler"], f))
     marker = {"step": first["step"], "world_size": saved_world, "source": "memory"}
-    _write(folder / MARKER_FILE, lambda f: Path(f).write_text(json.dumps(marker)))
+    atomic_write(folder / MARKER_FILE, lambda f: Path(f).write_text(json.dumps(marker)))
 
 
 def is_memory_snapshot(folder: str | Path) -> bool:
@@ -142,7 +143,3 @@ def _b64(t: torch.Tensor) -> str:
 
 def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def _write(path: Path, write) -> None:
-    atomic_write(path, write, tmp=path.with_name(f"{path.name}.{os.getpid()}.tmp"))
