@@ -35,7 +35,8 @@ class ZeroArguments:
     file with any ``ZeroConfig`` fields, e.g. ``'{"initial_scale": 1024, "hysteresis": 1}'``.
     """
 
-    zero_stage: int
+    zero_stage: int | str
+    zero_device_memory: str | None
     zero_reduce_bucket_mb: float | None
     zero_overlap_communication: bool | None
     zero_communication_dtype: str | None
@@ -49,9 +50,18 @@ class ZeroArguments:
             # every rank would then see all the data and log as process 0.
             self.use_cpu = True
         super().__post_init__()
-        check_stage(self.zero_stage, "zero_stage", allow_off=True)
+        self.zero_stage = parse_stage(self.zero_stage)
+        if self.zero_device_memory is not None:
+            from hf_lowzero.plan.planner import parse_bytes
+
+            parse_bytes(self.zero_device_memory, "zero_device_memory")
         if self.zero_stage:
-            self.to_zero_config()  # validate every knob now, not at the first step
+            self.to_zero_config(stage=2)  # validate every knob now, not at the first step
+
+    @property
+    def zero_auto(self) -> bool:
+        """``zero_stage="auto"``, not yet resolved by the Trainer (see ``hf_lowzero.trainer.auto``)."""
+        return self.zero_stage == "auto"
 
     @property
     def zero_dtype(self) -> str | None:
@@ -69,7 +79,8 @@ class ZeroArguments:
             "partition": self.zero_partition,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
-        base.update(stage=self.zero_stage or 2, clip_grad_norm=float(self.max_grad_norm or 0.0), **overrides)
+        stage = 2 if self.zero_stage in (0, "auto") else self.zero_stage
+        base.update({"stage": stage, "clip_grad_norm": float(self.max_grad_norm or 0.0)} | overrides)
         try:
             return ZeroConfig(**base)
         except TypeError as e:
@@ -82,9 +93,16 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
     (see ``ZeroArguments``). ``with_zero(TrainingArguments)`` is this class.
     """
 
-    zero_stage: int = field(
+    zero_stage: str = field(
         default=0,
-        metadata={"help": "ZeRO stage: 0 = off (plain Trainer/DDP), 1 = shard optimizer state, 2 = also gradients"},
+        metadata={
+            "help": "ZeRO stage: 0 = off (plain Trainer/DDP), 1 = shard optimizer state, 2 = also gradients, "
+            "auto = the setup a memory plan of this run recommends (stage and optimizer offload)"
+        },
+    )
+    zero_device_memory: str | None = field(
+        default=None,
+        metadata={"help": "With --zero_stage auto: plan for this much memory per device (e.g. 40GiB), not the free"},
     )
     zero_reduce_bucket_mb: float | None = field(
         default=None, metadata={"help": "MiB of gradient per reduction bucket (25)"}
@@ -109,6 +127,20 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
     zero_config: str | None = field(
         default=None, metadata={"help": "Other ZeroConfig fields: a JSON object or a path to a JSON file"}
     )
+
+
+def parse_stage(value: object) -> int | str:
+    """``zero_stage`` as given (an int, or a flag's string): 0, 1, 2 or ``"auto"``."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, str):
+        raise ValueError(
+            f"zero_stage={value!r} is invalid; expected 0 (off: plain DDP), 1 (shard optimizer states), "
+            "2 (also shard gradients) or auto (what a memory plan of this run recommends)"
+        )
+    return check_stage(value, "zero_stage", allow_off=True)
 
 
 def _load_json_config(value: str | None) -> dict:

@@ -48,6 +48,7 @@ from transformers import Trainer
 from hf_lowzero.checkpoint import load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, ZeroArguments
+from hf_lowzero.trainer.auto import resolve_auto_stage
 from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
@@ -72,6 +73,9 @@ class LowZeroTrainer(Trainer):
                 f"{type(self).__name__} needs arguments with the zero_* fields (got {name}); build them with "
                 f"hf_lowzero.with_zero({name})(..., zero_stage=...) (LowZeroTrainingArguments for TrainingArguments)"
             )
+        if given is not None and given.zero_auto:
+            model = kwargs.get("model", args[0] if args and not isinstance(args[0], ZeroArguments) else None)
+            self.memory_plan = resolve_auto_stage(given, model, kwargs.get("train_dataset"))
         super().__init__(*args, **kwargs)
         self.zero_optimizer: LowLevelZeroOptimizer | None = None
         if self.zero_enabled:

@@ -14,11 +14,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from hf_lowzero.zero.memory import same_memory
 
 ProcessGroup = dist.ProcessGroup
 
@@ -118,7 +121,29 @@ def uses_point_to_point(group: ProcessGroup | None, nbytes: int | None = None) -
     tensor; None: any size) on ``group`` exchange chunks point to point (gloo, W > 1, at least
     POINT_TO_POINT_MIN_BYTES; see [Note: gloo point-to-point])."""
     large = nbytes is None or nbytes >= POINT_TO_POINT_MIN_BYTES
-    return large and dist.get_backend(group) == "gloo" and group_size(group) > 1
+    return large and backend(group) == "gloo" and group_size(group) > 1
+
+
+# A memory plan runs the real code on torch's fake process group (no data moves), standing in for
+# the backend the planned run will use, so that the code takes that backend's path.
+_FAKE_STANDS_FOR = {"name": "nccl"}
+
+
+def backend(group: ProcessGroup | None) -> str:
+    """``group``'s backend; for the fake process group of a memory plan, the one it stands for."""
+    name = dist.get_backend(group)
+    return _FAKE_STANDS_FOR["name"] if name == "fake" else name
+
+
+@contextlib.contextmanager
+def fake_group_stands_for(name: str):
+    """Within: the fake process group takes ``name``'s code paths (``"nccl"`` or ``"gloo"``)."""
+    previous = _FAKE_STANDS_FOR["name"]
+    _FAKE_STANDS_FOR["name"] = name
+    try:
+        yield
+    finally:
+        _FAKE_STANDS_FOR["name"] = previous
 
 
 def _exchange(send: list[torch.Tensor], receive: list[torch.Tensor], group: ProcessGroup | None) -> list:
@@ -164,7 +189,7 @@ def _rank_order_sum(output: torch.Tensor, own: torch.Tensor, received: torch.Ten
 
     def finish() -> None:
         parts = [own if r == rank else received[r] for r in range(received.shape[0])]
-        if output.data_ptr() == parts[0].data_ptr():
+        if same_memory(output, parts[0]):
             rest = parts[1:]
         else:  # one pass for the first two chunks, not a copy and an add
             torch.add(parts[0], parts[1], out=output)

@@ -29,6 +29,7 @@ import torch
 
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.layout import bucket_view, piece_view
+from hf_lowzero.zero.memory import same_memory
 from hf_lowzero.zero.params import ParamSlot
 
 MASTER_DTYPE = torch.float32
@@ -60,7 +61,7 @@ class DeviceGradStore:
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
         chunk = self.view(bucket)
-        if reduced.data_ptr() == chunk.data_ptr():
+        if same_memory(reduced, chunk):
             return  # the collective wrote into the chunk (direct_target)
         chunk.copy_(reduced) if first else chunk.add_(reduced)
 
@@ -94,7 +95,7 @@ class HostGradStore(DeviceGradStore):
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
         chunk = self.view(bucket)
-        if reduced.data_ptr() == chunk.data_ptr():
+        if same_memory(reduced, chunk):
             return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
         self._resolve(bucket.index)  # a previous micro-batch's copy of this bucket
         # An fp32 first contribution lands in the host chunk directly; anything to add is staged.

@@ -23,6 +23,7 @@ from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.grad_store import MASTER_DTYPE, host_buffer
 from hf_lowzero.zero.layout import bucket_view, piece_view, unpack_bucket, unpack_targets
+from hf_lowzero.zero.memory import same_memory
 from hf_lowzero.zero.params import ParamSlot
 
 MAX_GATHERS_IN_FLIGHT = 2  # bounds the transient all-gather buffers
@@ -112,5 +113,5 @@ class MasterRows:
     def _release(self, bucket: Bucket, rows: torch.Tensor) -> None:
         """Give ``rows`` back to the pool when it is a pooled copy in the params' dtype, not the
         master rows themselves."""
-        if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
+        if not same_memory(rows, self.bucket_rows(bucket)):
             self.pool.give(rows)

@@ -44,6 +44,13 @@ def bytes_by_device(tensors: Iterable[torch.Tensor]) -> Counter:
     return placed
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` begin at the same element of the same storage. Unlike comparing data
+    pointers, it also tells fake tensors apart (a memory plan runs this code on them; their data
+    pointers are all 0)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``, all devices together."""
     return sum(bytes_by_device(tensors).values())

@@ -1,0 +1,26 @@
+"""Know before you launch: a memory plan for any Trainer run (see ``planner.py``).
+
+Example::
+
+    from hf_lowzero import plan_memory
+    plan = plan_memory("path/to/model", args, world_size=8, device_memory="80GiB", seq_len=2048)
+    print(plan.to_text())
+
+or ``python -m hf_lowzero.plan --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
+"""
+
+from hf_lowzero.plan.planner import MemoryPlan, PlanRow, format_bytes, parse_bytes, plan_memory
+from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
+
+__all__ = [
+    "PARTS",
+    "MemoryPlan",
+    "PlanRow",
+    "Setup",
+    "StepMemory",
+    "TrainingSpec",
+    "format_bytes",
+    "parse_bytes",
+    "plan_memory",
+    "simulate_step",
+]

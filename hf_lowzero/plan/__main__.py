@@ -1,0 +1,84 @@
+"""``python -m hf_lowzero.plan``: print a memory plan for a model and Trainer arguments.
+
+Example::
+
+    python -m hf_lowzero.plan --model path/to/model_or_config.json --world-size 8 --device-memory 80GiB \
+        --seq-len 2048 --bf16 --per_device_train_batch_size 4 --optim adamw_torch_fused [--lora-r 16]
+
+Flags after the plan's own are ``TrainingArguments`` flags (``LowZeroTrainingArguments``: the
+``--zero_*`` knobs too), exactly as the training script takes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_lowzero.plan",
+        description="Which ZeRO setup fits, with what batch: simulated for your model and Trainer arguments.",
+        epilog="Other flags are TrainingArguments flags (--bf16, --optim, --per_device_train_batch_size, "
+        "--gradient_checkpointing, --gradient_accumulation_steps, --zero_config, ...).",
+    )
+    parser.add_argument("--model", required=True, help="a model directory or a config.json")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs) in all")
+    parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
+    parser.add_argument("--host-memory", default=None, help="host memory per node, to check offload against")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's, <= 2048)")
+    parser.add_argument("--lora-r", type=int, default=None, help="plan a LoRA adapter of this rank")
+    parser.add_argument("--lora-targets", default=None, help="comma-separated module names for LoRA (peft's default)")
+    parser.add_argument("--ref-model", action="store_true", help="a frozen reference model too (DPO, GRPO)")
+    parser.add_argument("--reserve", type=float, default=0.10, help="fraction of device memory kept free (0.10)")
+    parser.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+    own, rest = parser.parse_known_args(argv)
+
+    from transformers import HfArgumentParser
+
+    from hf_lowzero.plan.planner import plan_memory
+    from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+
+    if not any(a.startswith("--output_dir") for a in rest):
+        rest += ["--output_dir", os.devnull]
+    if not torch.cuda.is_available() and "--use_cpu" not in rest:
+        rest += ["--use_cpu"]  # planning a GPU cluster from a laptop: let the precision flags validate here
+    rest += ["--report_to", "none"]
+    try:
+        (args,) = HfArgumentParser(LowZeroTrainingArguments).parse_args_into_dataclasses(rest)
+    except SystemExit:
+        return 2
+    targets = own.lora_targets.split(",") if own.lora_targets else None
+    try:
+        plan = plan_memory(
+            own.model,
+            args,
+            world_size=own.world_size,
+            device_memory=own.device_memory,
+            seq_len=own.seq_len,
+            host_memory=own.host_memory,
+            lora_r=own.lora_r,
+            lora_targets=targets,
+            ref_model=own.ref_model,
+            reserve=own.reserve,
+        )
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.to_text())
+    if own.json:
+        from pathlib import Path
+
+        from hf_lowzero.checkpoint.shards import atomic_write
+
+        text = json.dumps(plan.to_dict(), indent=2)
+        atomic_write(Path(own.json), lambda tmp: Path(tmp).write_text(text))
+    return 0 if plan.recommended is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""``plan_memory``: which ZeRO setup fits these GPUs, with what batch, and why.
+
+For each candidate setup (stage 0 = DDP, 1 and 2, the ZeRO stages with and without optimizer
+offload) the plan simulates one step of the real code at the planned world size under fake
+tensors (``simulate.py``) and reports the per-device peak, split into the ZeRO paper's model
+states (params, gradients, fp32 masters, optimizer state, frozen params) and residual states
+(activations and temporaries, communication buffers); host memory with offload; the bytes a rank
+sends per step; whether it fits, with what headroom, and the largest per-device batch that fits
+([Note: largest batch]). It recommends the cheapest setup that fits: no offload when avoidable,
+then the least communication, then the lowest peak.
+
+Example::
+
+    plan = plan_memory("path/to/model", args, world_size=8, device_memory="80GiB", seq_len=2048)
+    print(plan.to_text())
+    plan.recommended.stage, plan.recommended.max_batch_size
+
+# [Note: largest batch]
+# A transformer's activations grow linearly with the batch (every op is per sample), so each row's
+# peak is a + b * batch: a is simulated at the planned batch, the slope b from a second simulation
+# at one sample more (once for the ZeRO stages, once for stage 0, whose fp32 params under autocast
+# keep different activations). The largest batch is the largest whose peak fits. It is then checked
+# by simulating the recommended setup at that batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hf_lowzero.plan.models import ModelSpec
+from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
+
+SETUPS = (Setup(0), Setup(1), Setup(1, True), Setup(2), Setup(2, True))
+RESERVE = 0.10  # of device memory, kept for what is not a tensor: CUDA context, allocator fragmentation
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12}
+_UNITS |= {"tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str, name: str = "memory") -> int:
+    """``"80GiB"``, ``"40 GB"``, ``"512MiB"`` or a number of bytes -> bytes.
+
+    Example::
+
+        >>> parse_bytes("80GiB")
+        85899345920
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid; expected a size such as 80GiB, 40GB or a number of bytes")
+    if isinstance(value, (int, float)) and value > 0:
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"{name}={value!r} is invalid; expected a positive size such as 80GiB, 40GB, 512MiB or a number of bytes"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass
+class PlanRow:
+    """One setup's memory on the busiest rank (see the module docstring). Bytes throughout."""
+
+    stage: int
+    offload: bool
+    label: str
+    partition: str  # how ZeRO owns optimizer state for this optimizer: "rows", "params", "-" for DDP
+    peak_bytes: int
+    host_bytes: int
+    breakdown: dict[str, int]
+    model_state_bytes: int
+    sent_bytes_per_step: int
+    fits: bool
+    headroom_bytes: int
+    max_batch_size: int  # largest per-device batch whose peak fits; 0: not even one sample
+
+
+@dataclass
+class MemoryPlan:
+    """A plan: ``rows`` (one ``PlanRow`` per setup), ``recommended`` (one of them, or None when
+    nothing fits) and ``reason`` (why, or what would fit)."""
+
+    model: str
+    total_params: int
+    trainable_params: int
+    world_size: int
+    device_memory: int
+    usable_memory: int
+    host_memory: int | None
+    batch_size: int
+    seq_len: int
+    training: dict[str, Any]
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    reason: str
+    checked_batch: dict[str, int] = field(default_factory=dict)
+
+    def row(self, stage: int, offload: bool = False) -> PlanRow:
+        return next(r for r in self.rows if r.stage == stage and r.offload == offload)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        return render(self)
+
+
+def plan_memory(
+    model_or_config: Any,
+    args: Any = None,
+    *,
+    world_size: int = 1,
+    device_memory: int | str,
+    seq_len: int | None = None,
+    host_memory: int | str | None = None,
+    lora_r: int | None = None,
+    lora_targets: list[str] | None = None,
+    ref_model: bool = False,
+    reserve: float = RESERVE,
+    backend: str = "nccl",
+) -> MemoryPlan:
+    """Plan the memory of training ``model_or_config`` with ``args`` on ``world_size`` devices of
+    ``device_memory`` each (see the module docstring).
+
+    ``args``: ``TrainingArguments`` (``LowZeroTrainingArguments`` for ZeRO knobs; None for the
+    defaults); ``seq_len``: tokens per sample (default: the model's maximum positions, capped at
+    2048); ``host_memory``: per node, to check offload against; ``lora_r``: plan a LoRA adapter of
+    this rank on the model (a PEFT model brings its own); ``ref_model``: a frozen reference copy
+    (DPO, GRPO); ``reserve``: the fraction of device memory kept for the CUDA context and
+    fragmentation; ``backend``: the collectives' backend of the planned run (``"nccl"`` on GPUs,
+    ``"gloo"`` on CPU), whose code paths the simulation takes.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is invalid; expected the number of data-parallel ranks (>= 1)")
+    if not 0 <= reserve < 1:
+        raise ValueError(f"reserve={reserve!r} is invalid; expected a fraction of device memory in [0, 1)")
+    capacity = parse_bytes(device_memory, "device_memory")
+    host = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
+    spec = ModelSpec.from_source(model_or_config, lora_r=lora_r, lora_targets=lora_targets)
+    training = TrainingSpec.from_args(args if args is not None else _default_args())
+    seq_len = seq_len or min(spec.max_seq_len() or 2048, 2048)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} is invalid; expected tokens per sample (>= 1)")
+    usable = int(capacity * (1 - reserve))
+    batch = training.batch_size
+
+    def simulate(setup: Setup, batch_size: int, rank: int = 0) -> StepMemory:
+        return simulate_step(
+            spec, training, setup, world_size, batch_size, seq_len, rank=rank, ref_model=ref_model, backend=backend
+        )
+
+    steps = {setup: _busiest_rank(simulate, setup, batch, world_size) for setup in SETUPS}
+    slopes = {
+        zero: max(1, simulate(Setup(2 if zero else 0), batch + 1).peak - steps[Setup(2 if zero else 0)].peak)
+        for zero in (False, True)
+    }
+    rows = [_row(setup, steps[setup], usable, host, batch, slopes[setup.stage > 0]) for setup in SETUPS]
+    counts = _param_counts(spec)
+    plan = MemoryPlan(
+        model=spec.name,
+        total_params=counts[0],
+        trainable_params=counts[1],
+        world_size=world_size,
+        device_memory=capacity,
+        usable_memory=usable,
+        host_memory=host,
+        batch_size=batch,
+        seq_len=seq_len,
+        training=_describe(training),
+        rows=rows,
+        recommended=None,
+        reason="",
+    )
+    _recommend(plan)
+    if plan.recommended is not None and plan.recommended.max_batch_size != batch:
+        # [Note: largest batch]: check the extrapolated batch with a simulation of its own
+        best = plan.recommended
+        setup = Setup(best.stage, best.offload)
+        while best.max_batch_size > 0 and simulate(setup, best.max_batch_size).peak > usable:
+            best.max_batch_size -= 1
+        plan.checked_batch = {"setup": best.label, "batch_size": best.max_batch_size}
+        _recommend(plan)  # the reason names the checked batch
+    return plan
+
+
+def _busiest_rank(simulate, setup: Setup, batch: int, world_size: int) -> StepMemory:
+    """The rank holding the most: rank 0 with row shards (every rank holds the same, up to padding);
+    with whole-param ownership the rank that owns the most bytes of state."""
+    step = simulate(setup, batch)
+    if step.partition != "params" or world_size == 1:
+        return step
+    for rank in range(1, world_size):
+        other = simulate(setup, batch, rank)
+        if other.peak > step.peak:
+            step = other
+    return step
+
+
+def _row(setup: Setup, step: StepMemory, usable: int, host: int | None, batch: int, slope: int) -> PlanRow:
+    fits_host = host is None or step.host <= host
+    room = usable - step.peak
+    max_batch = max(0, batch + math.floor(room / slope)) if fits_host else 0
+    return PlanRow(
+        stage=setup.stage,
+        offload=setup.offload,
+        label=setup.label,
+        partition=step.partition,
+        peak_bytes=step.peak,
+        host_bytes=step.host,
+        breakdown=dict(step.breakdown),
+        model_state_bytes=step.model_states,
+        sent_bytes_per_step=step.sent_bytes,
+        fits=room >= 0 and fits_host,
+        headroom_bytes=room,
+        max_batch_size=max_batch,
+    )
+
+
+def _recommend(plan: MemoryPlan) -> None:
+    fitting = [r for r in plan.rows if r.fits]
+    if fitting:
+        best = min(fitting, key=lambda r: (r.offload, r.sent_bytes_per_step, r.peak_bytes, r.stage))
+        plan.recommended = best
+        others = [r for r in fitting if r is not best]
+        why = [f"{best.label} fits with {format_bytes(best.headroom_bytes)} to spare"]
+        if best.offload:
+            why.append("no setup fits without optimizer offload")
+        if others:
+            cheaper = [
+                r for r in others if (r.offload, r.sent_bytes_per_step) == (best.offload, best.sent_bytes_per_step)
+            ]
+            if cheaper:
+                names = ", ".join(r.label for r in cheaper)
+                why.append(f"it sends as few bytes per step as {names} and holds no more")
+            else:
+                why.append("it sends the fewest bytes per step of the setups that fit")
+        why.append(f"per-device batch up to {best.max_batch_size}")
+        plan.reason = "; ".join(why)
+        return
+    plan.recommended = None
+    batches = [r for r in plan.rows if r.max_batch_size >= 1]
+    if batches:
+        best = max(batches, key=lambda r: (r.max_batch_size, not r.offload))
+        plan.reason = (
+            f"nothing fits at per_device_train_batch_size={plan.batch_size}: the largest batch that fits is "
+            f"{best.max_batch_size} with {best.label} (use gradient_accumulation_steps to keep the global batch)"
+        )
+        return
+    least = min(plan.rows, key=lambda r: r.peak_bytes)
+    plan.reason = (
+        f"nothing fits even at one sample per device: the smallest peak is {format_bytes(least.peak_bytes)} "
+        f"({least.label}) against {format_bytes(plan.usable_memory)} usable. Use more devices (ZeRO shards "
+        "master and optimizer state over them), gradient checkpointing, a LoRA adapter, bf16 masters "
+        "(zero_config master_dtype), or devices with more memory"
+    )
+
+
+def _param_counts(spec: ModelSpec) -> tuple[int, int]:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = spec.build(torch.float32)
+        params = list(model.parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _describe(training: TrainingSpec) -> dict[str, Any]:
+    return {
+        "optim": training.optim_name,
+        "optimizer": training.optimizer_cls.__name__,
+        "dtype": str(training.dtype).removeprefix("torch."),
+        "gradient_accumulation_steps": training.gradient_accumulation_steps,
+        "gradient_checkpointing": training.gradient_checkpointing,
+        "master_dtype": str(training.zero.get("master_dtype", "fp32")).removeprefix("torch."),
+    }
+
+
+def _default_args():
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=os.devnull, report_to=[], use_cpu=True)
+
+
+def _count(n: int) -> str:
+    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f}{suffix}"
+    return str(n)
+
+
+def render(plan: MemoryPlan) -> str:
+    """The plan as a table and the recommendation, for a console."""
+    t = plan.training
+    lines = [
+        f"Memory plan: {plan.model}, {_count(plan.total_params)} params ({_count(plan.trainable_params)} "
+        f"trainable); {t['optimizer']} ({t['optim']}), {t['dtype']}, per-device batch {plan.batch_size} x "
+        f"{plan.seq_len} tokens, gradient accumulation {t['gradient_accumulation_steps']}, gradient checkpointing "
+        f"{'on' if t['gradient_checkpointing'] else 'off'}",
+        f"World size {plan.world_size}, {format_bytes(plan.device_memory)} per device; fits = peak <= "
+        f"{format_bytes(plan.usable_memory)} ({1 - plan.usable_memory / plan.device_memory:.0%} kept for the CUDA "
+        "context and fragmentation)",
+        "",
+    ]
+    header = ["setup", "peak/device", *PARTS, "host", "sent/step", "fits", "headroom", "max batch"]
+    table = [header]
+    for r in plan.rows:
+        table.append(
+            [
+                r.label + (f" [{r.partition}]" if r.partition == "params" else ""),
+                format_bytes(r.peak_bytes),
+                *(format_bytes(r.breakdown[p]) for p in PARTS),
+                format_bytes(r.host_bytes) if r.offload else "-",
+                format_bytes(r.sent_bytes_per_step),
+                "yes" if r.fits else "no",
+                format_bytes(r.headroom_bytes),
+                str(r.max_batch_size),
+            ]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        lines.append(
+            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        )
+    lines.append("")
+    choice = plan.recommended
+    lines.append(
+        f"Recommended: {choice.label} ({plan.reason})" if choice is not None else f"Nothing fits: {plan.reason}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,355 @@
+"""One training step of the real code, under fake tensors (to plan) or on real tensors (to check).
+
+``simulate_step`` builds the user's model, the inner optimizer the Trainer would build from its
+arguments and, for a ZeRO stage, the real ``LowLevelZeroOptimizer`` on a process group of the
+planned world size; it runs one optimizer step to create the optimizer state, then one full step
+(every micro-batch's forward and backward, the update) under a ``MemTracker`` from
+``torch.distributed._tools``. With ``fake=True`` it runs under ``FakeTensorMode`` on a fake process
+group (``torch.testing._internal.distributed.fake_pg``): nothing is allocated and nothing sent, but
+every tensor the real code creates is counted, so a 70B model plans on a laptop. With
+``fake=False`` the same code runs on real tensors in a real process group: that is how tests and
+``benchmarks/memory_plan.py`` check the plan ([Note: what the simulation leaves out]).
+
+Example::
+
+    training = TrainingSpec.from_args(args)                  # LowZeroTrainingArguments or TrainingArguments
+    step = simulate_step(ModelSpec.from_source(cfg), training, Setup(stage=2), world_size=8, batch_size=4, seq_len=1024)
+    step.peak, step.breakdown["activations"], step.sent_bytes
+
+# [Note: what the simulation leaves out]
+# - The step's gradient norm (data-dependent: ``.item()``) is not simulated: one all-reduce of a
+#   few bytes per param; the update itself is (``LowLevelZeroOptimizer._update``).
+# - DDP cannot be built on fake tensors: stage 0 on several ranks adds DDP's gradient buckets (one
+#   copy of the gradients, ``gradient_as_bucket_view=False`` as accelerate builds it) and a ring
+#   all-reduce's traffic by count. On real tensors the real DDP runs.
+# - Optimizers that do not run on fake tensors (torchao's, bitsandbytes') are replaced by a
+#   stateless SGD for the simulated step, and their state is found by stepping the real class on
+#   real tensors of the held shapes (``state_probe.py``).
+# - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
+#   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_lowzero.plan.models import ModelSpec
+from hf_lowzero.plan.state_probe import StateProbe, runs_under_fake_tensors
+from hf_lowzero.plan.tracker import PeakTracker, storage_bytes
+from hf_lowzero.zero import comm
+from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.inner import choose_partition
+
+PARTS = ("params", "gradients", "master", "optimizer_state", "frozen", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A way to run data-parallel training: ZeRO stage 0 (plain DDP), 1 or 2, with or without
+    optimizer offload (stages 1 and 2 only)."""
+
+    stage: int
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage == 0 and self.offload:
+            raise ValueError("optimizer offload needs ZeRO stage 1 or 2 (plain DDP keeps its optimizer on the device)")
+
+    @property
+    def label(self) -> str:
+        name = "stage 0 (DDP)" if self.stage == 0 else f"stage {self.stage}"
+        return name + (" + offload" if self.offload else "")
+
+
+@dataclass
+class TrainingSpec:
+    """What of the Trainer's arguments decides memory: precision, optimizer, micro-batches, gradient
+    checkpointing and the ZeRO knobs."""
+
+    dtype: torch.dtype  # the training precision: params' dtype under ZeRO, autocast's under stage 0
+    optimizer_cls: type
+    optimizer_kwargs: dict[str, Any]
+    optim_name: str = "adamw_torch"
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    checkpointing_kwargs: dict | None = None
+    zero: dict[str, Any] = field(default_factory=dict)  # ZeroConfig fields other than stage and offload
+
+    @classmethod
+    def from_args(cls, args) -> TrainingSpec:
+        """From ``TrainingArguments`` (any subclass; the ``zero_*`` fields when it has them)."""
+        from transformers import Trainer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+        zero: dict[str, Any] = {"clip_grad_norm": float(args.max_grad_norm or 0.0)}
+        if hasattr(args, "to_zero_config"):
+            config = args.to_zero_config(stage=2)
+            zero = {
+                name: getattr(config, name)
+                for name in ZeroConfig.__dataclass_fields__
+                if name not in ("stage", "offload_optimizer", "process_group")
+            }
+        return cls(
+            dtype=dtype,
+            optimizer_cls=optimizer_cls,
+            optimizer_kwargs=kwargs,
+            optim_name=str(getattr(args.optim, "value", args.optim)),
+            batch_size=int(args.per_device_train_batch_size),
+            gradient_accumulation_steps=int(args.gradient_accumulation_steps),
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+            checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            zero=zero,
+        )
+
+    def zero_config(self, setup: Setup, process_group=None) -> ZeroConfig:
+        partition = choose_partition(
+            self.optimizer_cls, self.zero.get("partition", "auto"), self.zero.get("allow_untested_optimizer", False)
+        )
+        fields = self.zero | {"partition": partition}
+        return ZeroConfig(**fields, stage=setup.stage, offload_optimizer=setup.offload, process_group=process_group)
+
+
+@dataclass
+class StepMemory:
+    """What one rank holds over one training step.
+
+    ``peak`` is the device's peak (host-resident parts excluded); ``breakdown`` splits it into
+    ``PARTS`` (``gradients`` as held at the peak, ``activations`` what the forward and backward
+    held besides: activations, temporaries, gradients in flight). ``model_states`` is the ZeRO
+    paper's model states (params, gradients, master, optimizer state; frozen params included)
+    wherever they live; ``host`` what sits in host memory (offload).
+    """
+
+    peak: int
+    host: int
+    breakdown: dict[str, int]
+    model_states: int
+    sent_bytes: int
+    partition: str
+    rank: int
+
+
+def simulate_step(
+    spec: ModelSpec,
+    training: TrainingSpec,
+    setup: Setup,
+    world_size: int,
+    batch_size: int,
+    seq_len: int,
+    rank: int = 0,
+    fake: bool = True,
+    ref_model: bool = False,
+    backend: str = "nccl",
+) -> StepMemory:
+    """Run one step of ``setup`` as rank ``rank`` of ``world_size`` and account for its memory (see
+    the module docstring). ``fake=False`` needs a real default process group of ``world_size``;
+    ``backend`` is the one the fake process group stands for (``"nccl"`` on GPUs, ``"gloo"`` on CPU)."""
+    with warnings.catch_warnings():
+        # fake tensors' data pointers (read by the optimizer's wrap guard), MemTracker's note on
+        # None gradients: neither changes what is counted
+        warnings.simplefilter("ignore", UserWarning)
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with _fake_world(world_size, rank), comm.fake_group_stands_for(backend), FakeTensorMode():
+                return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model)
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise RuntimeError(f"a real step of world size {world_size} needs a default process group of that size")
+        return _run(spec, training, setup, world_size, batch_size, seq_len, dist.get_rank(), False, ref_model)
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int, rank: int):
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a memory plan simulates its ranks on a fake process group and needs a process without one; "
+            "plan before torch.distributed is initialized, or in a separate process"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref_model) -> StepMemory:
+    zero_on = setup.stage > 0
+    device = torch.device("cuda", torch.cuda.current_device()) if not fake and torch.cuda.is_available() else None
+    param_dtype = training.dtype if zero_on else torch.float32  # plain Trainer: fp32 params under autocast
+    stand_in = fake and not runs_under_fake_tensors(training.optimizer_cls)
+    tracker = PeakTracker()
+    with tracker:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = spec.build(param_dtype, training.gradient_checkpointing, training.checkpointing_kwargs)
+            reference = _frozen_copy(spec, param_dtype) if ref_model else None
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        inner = (
+            torch.optim.SGD(trainable, lr=0.0)
+            if stand_in
+            else training.optimizer_cls(trainable, **training.optimizer_kwargs)
+        )
+        ddp_buckets = 0
+        runner = model
+        if zero_on:
+            from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+            config = training.zero_config(setup)
+            opt = LowLevelZeroOptimizer(model, inner, config)
+            partition = opt.partition
+        else:
+            opt, partition = None, "-"
+            if world_size > 1 and not fake:
+                runner = nn.parallel.DistributedDataParallel(model)
+            elif world_size > 1:
+                ddp_buckets = storage_bytes(trainable)  # [Note: what the simulation leaves out]
+        batch = spec.batch(batch_size, seq_len, device or "cpu")
+        step = _Step(setup, training, runner, opt, inner)
+        step.warm_up(fake, batch, reference)  # the optimizer state exists: the steady state of every later step
+        tracker.reset_peak()
+        sent_before = sum(comm.comm_stats.sent_bytes.values())
+        step.forward_backward(batch, reference, device)
+        grads_at_peak = tracker.peak_snapshot().get("Gradient", 0)
+        all_grads = storage_bytes(p.grad for p in trainable if p.grad is not None)
+        step.update(fake)
+        sent = sum(comm.comm_stats.sent_bytes.values()) - sent_before
+    peak = tracker.peak_on(device) if device is not None else tracker.peak_total()
+    if opt is None and world_size > 1:
+        gradient_bytes = sum(p.numel() * p.dtype.itemsize for p in trainable)
+        sent = 2 * gradient_bytes * (world_size - 1) // world_size  # DDP's ring all-reduce
+        peak += ddp_buckets
+
+    trainable_ids = {id(p) for p in trainable}
+    params = storage_bytes(p for p in model.parameters() if id(p) in trainable_ids)
+    frozen = storage_bytes([p for p in model.parameters() if id(p) not in trainable_ids] + list(model.buffers()))
+    if reference is not None:
+        frozen += storage_bytes(list(reference.parameters()) + list(reference.buffers()))
+    state = _optimizer_state_bytes(opt, inner, training, stand_in)
+    if stand_in:
+        peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
+    if opt is not None:
+        master = storage_bytes([opt.master.flat])
+        grad_store = storage_bytes(opt.reducer.store.tensors())
+        buffers = storage_bytes(opt.reducer.pool.tensors())
+        gradients_persistent = grad_store
+    else:
+        master, grad_store, buffers = 0, 0, ddp_buckets
+        gradients_persistent = 0
+    host = master + state + grad_store if setup.offload else 0
+    gradients = gradients_persistent + grads_at_peak
+    device_peak = peak - host if device is None else peak  # on CPU the host parts share the tracker's device
+    on_device = {
+        "params": params,
+        "gradients": gradients if not setup.offload else grads_at_peak,
+        "master": master if not setup.offload else 0,
+        "optimizer_state": state if not setup.offload else 0,
+        "frozen": frozen,
+        "buffers": buffers,
+    }
+    on_device["activations"] = max(0, device_peak - sum(on_device.values()))
+    full_gradients = grad_store if opt is not None else all_grads
+    return StepMemory(
+        peak=device_peak,
+        host=host,
+        breakdown={name: on_device[name] for name in PARTS},
+        model_states=params + frozen + full_gradients + master + state,
+        sent_bytes=int(sent),
+        partition=partition,
+        rank=rank,
+    )
+
+
+class _Step:
+    """One training step as the Trainer runs it: micro-batches with the last one synchronizing,
+    then the update (ZeRO's, or the inner optimizer's under DDP)."""
+
+    def __init__(self, setup: Setup, training: TrainingSpec, runner: nn.Module, opt, inner) -> None:
+        self.setup, self.training, self.runner, self.opt, self.inner = setup, training, runner, opt, inner
+
+    def warm_up(self, fake: bool, batch, reference) -> None:
+        """Create the optimizer state. Real tensors: a whole step (a step without gradients would
+        skip every param). Fake ones: the update alone, on the zero gradients."""
+        if not fake:
+            self.forward_backward(batch, reference, None)
+            self.update(fake)
+        elif self.opt is not None:
+            self.update(fake)
+        else:
+            for group in self.inner.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            self.update(fake)
+
+    def forward_backward(self, batch, reference, device) -> None:
+        steps = self.training.gradient_accumulation_steps
+        for micro in range(steps):
+            with _no_sync(self.opt, self.runner, last=micro == steps - 1):
+                if reference is not None:
+                    with torch.no_grad():
+                        reference(**batch)
+                with _autocast(self.setup, self.training.dtype, device):
+                    loss = self.runner(**batch).loss / steps
+                if self.opt is not None:
+                    self.opt.backward(loss)
+                else:
+                    loss.backward()
+                del loss
+
+    def update(self, fake: bool) -> None:
+        if self.opt is None:
+            self.inner.step()
+            self.inner.zero_grad(set_to_none=True)
+            return
+        if fake:
+            update = getattr(self.opt, "_update", None)  # TODO(merge): the split optimizer's _update
+            if update is not None:
+                update(None)  # the step without its data-dependent norm ([Note: what the simulation leaves out])
+            else:
+                self.opt._groups.sync()
+                self.opt.optim.step()
+                self.opt.copy_master_to_params()
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+
+
+def _frozen_copy(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+    """A reference model (DPO, GRPO): the base model again, frozen and in eval mode."""
+    base = ModelSpec(spec.config, spec.model_class, name=spec.name)
+    reference = base.build(dtype).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def _optimizer_state_bytes(opt, inner, training: TrainingSpec, stand_in: bool) -> int:
+    if not stand_in:
+        return storage_bytes(v for entry in inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+    probe = StateProbe(training.optimizer_cls, training.optimizer_kwargs)
+    if opt is None:
+        return probe.state_bytes([tuple(p.shape) for group in inner.param_groups for p in group["params"]])
+    return probe.state_bytes([tuple(m.shape) for group in inner.param_groups for m in group["params"]])
+
+
+def _no_sync(opt, runner, last: bool):
+    if last:
+        return contextlib.nullcontext()
+    if opt is not None:
+        return opt.no_sync() if opt.reducer.allows_no_sync else contextlib.nullcontext()
+    return runner.no_sync() if isinstance(runner, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
+
+
+def _autocast(setup: Setup, dtype: torch.dtype, device: torch.device | None):
+    if setup.stage > 0 or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type if device is not None else "cpu", dtype=dtype)
