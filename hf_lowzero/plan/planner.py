@@ -159,7 +159,14 @@ def plan_memory(
             spec, training, setup, world_size, batch_size, seq_len, rank=rank, ref_model=ref_model, backend=backend
         )
 
-    steps = {setup: _busiest_rank(simulate, setup, batch, world_size) for setup in SETUPS}
+    steps: dict[Setup, StepMemory] = {}
+    for setup in sorted(SETUPS, key=lambda s: -s.stage):  # stage 2 first: stage 1 may take its figures
+        if setup.stage == 1 and training.gradient_accumulation_steps == 1:
+            # Stage 1 differs from stage 2 only between micro-batches (full gradients under no_sync):
+            # with one micro-batch per step they run the same code, so the same memory.
+            steps[setup] = steps.get(Setup(2, setup.offload)) or _busiest_rank(simulate, setup, batch)
+        else:
+            steps[setup] = _busiest_rank(simulate, setup, batch)
     slopes = {
         zero: max(1, simulate(Setup(2 if zero else 0), batch + 1).peak - steps[Setup(2 if zero else 0)].peak)
         for zero in (False, True)
@@ -193,17 +200,14 @@ def plan_memory(
     return plan
 
 
-def _busiest_rank(simulate, setup: Setup, batch: int, world_size: int) -> StepMemory:
+def _busiest_rank(simulate, setup: Setup, batch: int) -> StepMemory:
     """The rank holding the most: rank 0 with row shards (every rank holds the same, up to padding);
-    with whole-param ownership the rank that owns the most bytes of state."""
+    with whole-param ownership the rank that owns the most elements (its state and masters)."""
     step = simulate(setup, batch)
-    if step.partition != "params" or world_size == 1:
+    if not step.owned_numel:
         return step
-    for rank in range(1, world_size):
-        other = simulate(setup, batch, rank)
-        if other.peak > step.peak:
-            step = other
-    return step
+    busiest = max(range(len(step.owned_numel)), key=lambda r: step.owned_numel[r])
+    return step if busiest == step.rank else simulate(setup, batch, busiest)
 
 
 def _row(setup: Setup, step: StepMemory, usable: int, host: int | None, batch: int, slope: int) -> PlanRow:
@@ -257,11 +261,21 @@ def _recommend(plan: MemoryPlan) -> None:
         )
         return
     least = min(plan.rows, key=lambda r: r.peak_bytes)
+    weights = min(r.breakdown["params"] + r.breakdown["frozen"] for r in plan.rows)
+    if weights > plan.usable_memory:
+        fix = (
+            f"the model's weights alone take {format_bytes(weights)} per device, and ZeRO stages 1 and 2 keep every "
+            "weight on every device: this needs the weights sharded too (ZeRO-3, FSDP), a quantized base with a "
+            "LoRA adapter, or devices with more memory"
+        )
+    else:
+        fix = (
+            "use more devices (stages 1 and 2 shard masters and optimizer state over them), gradient checkpointing, "
+            "a LoRA adapter, bf16 masters (zero_config master_dtype), or devices with more memory"
+        )
     plan.reason = (
         f"nothing fits even at one sample per device: the smallest peak is {format_bytes(least.peak_bytes)} "
-        f"({least.label}) against {format_bytes(plan.usable_memory)} usable. Use more devices (ZeRO shards "
-        "master and optimizer state over them), gradient checkpointing, a LoRA adapter, bf16 masters "
-        "(zero_config master_dtype), or devices with more memory"
+        f"({least.label}) against {format_bytes(plan.usable_memory)} usable; {fix}"
     )
 
 

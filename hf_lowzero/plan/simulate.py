@@ -136,6 +136,7 @@ class StepMemory:
     sent_bytes: int
     partition: str
     rank: int
+    owned_numel: list[int] = field(default_factory=list)  # per rank, with whole-param ownership
 
 
 def simulate_step(
@@ -267,7 +268,16 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         sent_bytes=int(sent),
         partition=partition,
         rank=rank,
+        owned_numel=_owned_numel(opt, world_size) if partition == "params" else [],
     )
+
+
+def _owned_numel(opt, world_size: int) -> list[int]:
+    """Elements of trainable params each rank owns (whole-param ownership)."""
+    owned = [0] * world_size
+    for slot in opt.slots:
+        owned[slot.shard.owner] += slot.shard.numel
+    return owned
 
 
 class _Step:

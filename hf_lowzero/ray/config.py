@@ -18,12 +18,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_lowzero.plan.planner import parse_bytes
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers, worker_range
 from hf_lowzero.ray.reporting import UPLOAD_MODES
 from hf_lowzero.ray.snapshot_plan import check_every
 from hf_lowzero.recipes.clm import ClmArguments
-from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
-from hf_lowzero.zero.config import ZeroConfig, check_stage
+from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, parse_stage
+from hf_lowzero.zero.config import ZeroConfig
 
 # Fields whose flag name differs from the TrainingArguments field they set.
 TRAINING_ARGUMENT_NAMES = {"offload_optimizer": "zero_offload_optimizer", "num_to_keep": "save_total_limit"}
@@ -51,7 +52,14 @@ class RayFinetuneConfig:
         None,
         'Ray resources per worker as JSON, e.g. \'{"CPU": 8, "GPU": 1}\' (default: 1 GPU, or 1 CPU without --use-gpu)',
     )
-    zero_stage: int = _opt(2, "0 = plain Trainer/DDP, 1 = shard optimizer states, 2 = also gradients")
+    zero_stage: int | str = _opt(
+        2,
+        "0 = plain Trainer/DDP, 1 = shard optimizer states, 2 = also gradients, auto = what a memory plan of "
+        "this run recommends for the workers' free device memory (stage and optimizer offload)",
+    )
+    zero_device_memory: str | None = _opt(
+        None, "with --zero-stage auto: plan for this much memory per device (e.g. 40GiB), not the free memory"
+    )
     zero_partition: str = _opt(
         "auto", "rows (slices of every tensor), params (whole tensors, any optimizer) or auto (by optimizer)"
     )
@@ -105,7 +113,9 @@ class RayFinetuneConfig:
             for world in worker_range(self.num_workers):
                 self.gradient_accumulation_for(world)  # raises if the global batch does not divide
         self.snapshot_every = check_every(self.snapshot_every)
-        check_stage(self.zero_stage, "zero_stage", allow_off=True)
+        self.zero_stage = parse_stage(self.zero_stage)
+        if self.zero_device_memory is not None:
+            parse_bytes(self.zero_device_memory, "zero_device_memory")
         ZeroConfig(partition=self.zero_partition)  # raises on a bad --zero-partition
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
@@ -114,8 +124,9 @@ class RayFinetuneConfig:
 
     @property
     def snapshots(self) -> int | str | None:
-        """The memory snapshot interval the job runs with: none without ZeRO (no shards to keep)."""
-        return self.snapshot_every if self.zero_stage > 0 else None
+        """The memory snapshot interval the job runs with: none without ZeRO (no shards to keep; with
+        ``zero_stage="auto"`` the workers drop it if the plan picks stage 0)."""
+        return self.snapshot_every if self.zero_stage != 0 else None
 
     @property
     def max_workers(self) -> int:

@@ -128,7 +128,8 @@ def train_loop_per_worker(
     attempt = record_attempt(config.storage_path, config.name, world_size) if dist.get_rank() == 0 else None
     args = config.training_arguments(output_dir, world_size)
     trainer = clm_trainer(config.clm_arguments(), args, printer=ConsoleProgress(attempt))
-    prepare_trainer(trainer, upload=config.checkpoint_upload, snapshot_every=config.snapshots)
+    snapshots = config.snapshots if trainer.args.zero_stage > 0 else None  # auto may have picked stage 0 (DDP)
+    prepare_trainer(trainer, upload=config.checkpoint_upload, snapshot_every=snapshots)
     if config.inject_failure_at_step:
         run_dir = Path(config.storage_path) / config.name
         trainer.add_callback(InjectWorkerFailure(config.inject_failure_at_step, run_dir))
