@@ -67,17 +67,35 @@ class ModelSpec:
 
     def build(self, dtype: torch.dtype, gradient_checkpointing: bool = False, checkpointing_kwargs=None) -> nn.Module:
         """The model in ``dtype`` (with its LoRA adapter), as the Trainer would train it. Under an
-        active ``FakeTensorMode`` nothing is allocated."""
-        model = self.model_class._from_config(self.config, dtype=dtype)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
-        if self.lora_r is not None:
-            from peft import LoraConfig, get_peft_model
+        active ``FakeTensorMode`` nothing is allocated: the model is built on the meta device, where
+        module conversions (PEFT casting its adapter) work, then given fake storage."""
+        from torch._guards import active_fake_mode
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            lora = LoraConfig(r=int(self.lora_r), lora_alpha=2 * int(self.lora_r), target_modules=self.lora_targets)
-            model = get_peft_model(model, lora)
+        if active_fake_mode() is None:
+            return self._build(dtype, gradient_checkpointing, checkpointing_kwargs)
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = self._build(dtype, gradient_checkpointing, checkpointing_kwargs)
+        return _give_fake_storage(model)
+
+    def _build(self, dtype: torch.dtype, gradient_checkpointing: bool, checkpointing_kwargs) -> nn.Module:
+        # Every tensor is created in ``dtype``, the adapter too: the ZeRO Trainer casts the whole model.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = self.model_class._from_config(self.config, dtype=dtype)
             if gradient_checkpointing:
-                model.enable_input_require_grads()  # as Trainer does for a PEFT model with a frozen embedding
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+            if self.lora_r is not None:
+                from peft import LoraConfig, get_peft_model
+
+                r = int(self.lora_r)
+                lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=self.lora_targets)
+                model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+                if gradient_checkpointing:
+                    model.enable_input_require_grads()  # as Trainer does for a PEFT model with a frozen embedding
+        finally:
+            torch.set_default_dtype(previous)
         return model
 
     def batch(self, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -98,6 +116,27 @@ class ModelSpec:
             if isinstance(value, int) and value > 0:
                 return value
         return None
+
+
+def _give_fake_storage(model: nn.Module) -> nn.Module:
+    """Replace every meta param and buffer of ``model`` by a CPU tensor of the active fake mode (no
+    memory), keeping tied weights tied. Assigned directly: a conversion would swap tensors."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = fake(param)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = fake(buffer)
+    return model
 
 
 def _name(config, source: str | None = None) -> str:

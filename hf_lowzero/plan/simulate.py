@@ -189,11 +189,14 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     device = torch.device("cuda", torch.cuda.current_device()) if not fake and torch.cuda.is_available() else None
     param_dtype = training.dtype if zero_on else torch.float32  # plain Trainer: fp32 params under autocast
     stand_in = fake and not runs_under_fake_tensors(training.optimizer_cls)
+    # Built before the tracker starts (PEFT casts its adapters with module conversions, which fake
+    # tensors refuse once the tracker holds weak references to them), then counted from the start.
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = spec.build(param_dtype, training.gradient_checkpointing, training.checkpointing_kwargs)
+        reference = _frozen_copy(spec, param_dtype) if ref_model else None
     tracker = PeakTracker()
+    tracker.track_external(*(m for m in (model, reference) if m is not None))
     with tracker:
-        with torch.device(device) if device is not None else contextlib.nullcontext():
-            model = spec.build(param_dtype, training.gradient_checkpointing, training.checkpointing_kwargs)
-            reference = _frozen_copy(spec, param_dtype) if ref_model else None
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         inner = (
@@ -201,6 +204,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
             if stand_in
             else training.optimizer_cls(trainable, **training.optimizer_kwargs)
         )
+        embeddings = _full_precision_embeddings(model, training)
         ddp_buckets = 0
         runner = model
         if zero_on:
@@ -236,7 +240,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     frozen = storage_bytes([p for p in model.parameters() if id(p) not in trainable_ids] + list(model.buffers()))
     if reference is not None:
         frozen += storage_bytes(list(reference.parameters()) + list(reference.buffers()))
-    state = _optimizer_state_bytes(opt, inner, training, stand_in)
+    state = _optimizer_state_bytes(opt, inner, training, stand_in, embeddings)
     if stand_in:
         peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
     if opt is not None:
@@ -342,13 +346,35 @@ def _frozen_copy(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
     return reference
 
 
-def _optimizer_state_bytes(opt, inner, training: TrainingSpec, stand_in: bool) -> int:
+def _full_precision_embeddings(model: nn.Module, training: TrainingSpec) -> set[int]:
+    """Ids of the embedding weights whose state bitsandbytes keeps in 32 bits: ``Trainer`` asks for
+    that for every ``nn.Embedding`` under an 8-bit bitsandbytes optimizer; so does the simulation."""
+    if "bitsandbytes" not in str(training.optimizer_cls) or training.optimizer_kwargs.get("optim_bits") != 8:
+        return set()
+    import bitsandbytes
+
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    weights = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
+            weights.add(id(module.weight))
+    return weights
+
+
+def _optimizer_state_bytes(opt, inner, training: TrainingSpec, stand_in: bool, embeddings: set[int]) -> int:
     if not stand_in:
         return storage_bytes(v for entry in inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
-    probe = StateProbe(training.optimizer_cls, training.optimizer_kwargs)
+    # (the tensor the inner optimizer steps, the model's param it stands for)
     if opt is None:
-        return probe.state_bytes([tuple(p.shape) for group in inner.param_groups for p in group["params"]])
-    return probe.state_bytes([tuple(m.shape) for group in inner.param_groups for m in group["params"]])
+        held = [(p, p) for group in inner.param_groups for p in group["params"]]
+    else:
+        held = [(opt._inner_params[s.index], s.param) for s in opt.slots if opt._inner_params[s.index] is not None]
+    probe = StateProbe(training.optimizer_cls, training.optimizer_kwargs)
+    full = StateProbe(training.optimizer_cls, training.optimizer_kwargs | {"optim_bits": 32})
+    return probe.state_bytes([tuple(t.shape) for t, p in held if id(p) not in embeddings]) + full.state_bytes(
+        [tuple(t.shape) for t, p in held if id(p) in embeddings]
+    )
 
 
 def _no_sync(opt, runner, last: bool):

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from hf_lowzero.zero.memory import plain_tensors
 
@@ -39,11 +39,26 @@ class PeakTracker(MemTracker):
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module not in self.memory_tracking:
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self._track_module_params_and_buffers(module, install_grad_hooks=False)
+            self._install_grad_hooks(module)
             self.memory_tracking[module] = None  # no per-module stats: only "seen"
         elif self._mod_tracker.is_bw and self._ac_mod is None:  # recomputation (activation checkpointing)
             self._ac_mod = weakref.ref(module)
             self._in_ac = True
+
+    def _install_grad_hooks(self, module) -> None:
+        """MemTracker's gradient hooks, on trainable params only (it hooks frozen ones too, which
+        torch refuses: a LoRA model's base)."""
+
+        def track(grad) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        for param in module.parameters():
+            if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(track),
+                    param.register_post_accumulate_grad_hook(lambda p: track(p.grad)),
+                )
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
         if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
