@@ -37,6 +37,7 @@ class Gather:
     work: object
     chunk: torch.Tensor  # this rank's updated chunk, in the params' dtype
     out: torch.Tensor  # every rank's chunks, rank-major
+    copied: bool  # chunk is a copy of the master rows (goes back to the pool), not the rows themselves
 
 
 class MasterRows:
@@ -87,30 +88,28 @@ class MasterRows:
             with record_function("hf_lowzero::unpack_bucket"):
                 unpack_bucket(gather.bucket, gather.out, self.world_size, self._unpack_targets[gather.bucket.index])
             self.pool.give(gather.out)
-            self._release(gather.bucket, gather.chunk)
+            if gather.copied:
+                self.pool.give(gather.chunk)
 
         for bucket in self.buckets:
-            rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True)
+            master_rows = self.bucket_rows(bucket)
+            rows = master_rows.to(bucket.device, non_blocking=True)
             if rows.dtype != bucket.dtype:
                 rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
+            copied = rows is not master_rows  # identity, not data_ptr(): this runs under FakeTensorMode too
             if self.world_size == 1:  # the rows are the whole params: nothing to gather
                 with record_function("hf_lowzero::unpack_bucket"):
                     unpack_bucket(bucket, rows, 1, self._unpack_targets[bucket.index])
-                self._release(bucket, rows)
+                if copied:
+                    self.pool.give(rows)
                 continue
             out = self.pool.take(bucket.packed_numel, bucket.dtype, bucket.device)
             if not bucket.whole:
                 work = comm.all_gather(out, rows, self.group, async_op=True)
             else:
                 work = comm.gather_from_owners(out, rows, list(bucket.chunks), self.group, async_op=True)
-            in_flight.append(Gather(bucket, work, rows, out))
+            in_flight.append(Gather(bucket, work, rows, out, copied))
             if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
                 finish(in_flight.pop(0))
         for gather in in_flight:
             finish(gather)
-
-    def _release(self, bucket: Bucket, rows: torch.Tensor) -> None:
-        """Give ``rows`` back to the pool when it is a pooled copy in the params' dtype, not the
-        master rows themselves."""
-        if rows.data_ptr() != self.bucket_rows(bucket).data_ptr():
-            self.pool.give(rows)
