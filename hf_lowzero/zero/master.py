@@ -1,13 +1,14 @@
-"""This rank's fp32 master rows, and the copies between them and the model's params.
+"""This rank's master rows, and the copies between them and the model's params.
 
-The rows live in one flat fp32 tensor in the owned-rows space (bucket after bucket), on the
+The rows live in one flat tensor (fp32, or bf16: ``ZeroConfig.master_dtype`` and
+[Note: bf16 masters] in ``master_precision.py``) in the owned-rows space (bucket after bucket), on the
 params' device, or in host memory (pinned for CUDA params) with optimizer offload, where the
 inner optimizer then steps them.
 
 Example::
 
     master = MasterRows(slots, buckets, rank, world_size, group, device, offload=False, pin_memory=True, pool=pool)
-    master.rows[slot.index]        # 1D fp32 view of this rank's piece (padding included; may be empty)
+    master.rows[slot.index]        # 1D view (fp32 by default) of this rank's piece (padding included; may be empty)
     master.copy_to_params()        # all-gather the rows back into every rank's params (collective)
 """
 
@@ -21,7 +22,7 @@ from torch.profiler import record_function
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.grad_store import MASTER_DTYPE, host_buffer
+from hf_lowzero.zero.grad_store import host_buffer
 from hf_lowzero.zero.layout import bucket_view, piece_view, unpack_bucket, unpack_targets
 from hf_lowzero.zero.params import ParamSlot
 
@@ -52,15 +53,16 @@ class MasterRows:
         offload: bool,
         pin_memory: bool,
         pool: BufferPool,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.slots, self.buckets = slots, buckets
         self.rank, self.world_size, self.group = rank, world_size, group
         self.pool = pool
         total = sum(b.row_numel for b in buckets)
         if offload:
-            self.flat = host_buffer(total, MASTER_DTYPE, pin_memory and device.type == "cuda")
+            self.flat = host_buffer(total, dtype, pin_memory and device.type == "cuda")
         else:
-            self.flat = torch.zeros(total, dtype=MASTER_DTYPE, device=device)
+            self.flat = torch.zeros(total, dtype=dtype, device=device)
         self.rows = [piece_view(self.flat, s) for s in slots]
         self._unpack_targets = [unpack_targets(b, world_size) for b in buckets]  # views of the params, made once
         self.copy_from_params()

@@ -45,6 +45,7 @@ from hf_lowzero.zero.inner import check_inner_optimizer, partition_for, prefer_f
 from hf_lowzero.zero.layout import holding_any
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
+from hf_lowzero.zero.master_precision import make_master_precision
 from hf_lowzero.zero.memory import MemoryReport, optimizer_memory
 from hf_lowzero.zero.params import WrapGuard, managed_slots
 from hf_lowzero.zero.reducer import BucketReducer
@@ -100,13 +101,17 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             make_grad_store(self.buckets, self.device, offload, pin),
             pool,
         )
-        self.master = MasterRows(
-            self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin, pool
+        group, cfg = self.process_group, self.config
+        where = (self.rank, self.world_size, group, self.device)
+        self.master = MasterRows(self.slots, self.buckets, *where, offload, pin, pool, cfg.master_dtype)
+        self._precision = make_master_precision(
+            self.master.flat, self.slots, cfg.master_rounding, cfg.master_rounding_seed, self.rank
         )
 
         # Per slot: the tensor the inner optimizer steps (a master row, or an owned param's master
-        # in its shape; None for a param owned elsewhere) and its gradient, fixed views of the stores.
-        self._inner_params = [held_piece(slot, self.master.rows[slot.index]) for slot in self.slots]
+        # in its shape; None for a param owned elsewhere; an fp32 scratch view with bf16 masters)
+        # and its gradient, fixed views of the stores.
+        self._inner_params = [held_piece(slot, self._precision.step_rows[slot.index]) for slot in self.slots]
         self._inner_grads = [held_piece(slot, self.reducer.store.piece(slot)) for slot in self.slots]
         self._unused_mask = UnusedMask(self._inner_params, self._inner_grads)
         if self.master.flat.device.type == "cpu":
@@ -199,7 +204,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _switch_mode(self, mode: str) -> None:
         switch = getattr(self.optim, mode, None)
         if callable(switch):
-            switch()  # moves the masters this rank holds
+            with self._precision.stepping():
+                switch()  # moves the masters this rank holds
             self.copy_master_to_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -216,12 +222,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._pending_norm = None
 
     def copy_master_to_params(self) -> None:
-        """Write the fp32 master rows back into the model's params (all-gather, bucketed, in the
+        """Write the master rows back into the model's params (all-gather, bucketed, in the
         params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it."""
         self.master.copy_to_params()
 
     def copy_params_to_master(self) -> None:
-        """Re-read this rank's fp32 master rows from the model's params. Local.
+        """Re-read this rank's master rows from the model's params. Local.
 
         For code that loaded new weights into the model in place after wrapping (a Trainer resuming
         from a checkpoint without optimizer state, ``load_best_model_at_end``); optimizer state is
@@ -322,7 +328,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if used is not None:
             self._unused_mask.apply(used)
         self._groups.sync()
-        with record_function("hf_lowzero::inner_step"):
+        with record_function("hf_lowzero::inner_step"), self._precision.stepping():
             self.optim.step()
         with record_function("hf_lowzero::copy_master_to_params"):
             self.copy_master_to_params()

@@ -12,7 +12,8 @@ format has no place for and an exact restore needs:
               "master_rows": {0: row, ...},
               "loss_scaler": {...}, "skipped_steps": 0, "consecutive_skips": 0}}
 
-A master row is 1D fp32: this rank's piece of the param, ``ParamShard(numel, world_size,
+A master row is 1D, in the masters' dtype (fp32, or bf16: ``ZeroConfig.master_dtype``; loading
+casts, so either loads into either): this rank's piece of the param, ``ParamShard(numel, world_size,
 owner).piece_numel(rank)`` elements (padding included). With row shards (``owners`` all None) every
 element-wise state tensor is such a row; with whole-parameter ownership (``partition="params"``,
 ``owners`` the rank of each) ``state`` holds only the owned params, with whatever state tensors the
