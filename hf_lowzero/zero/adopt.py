@@ -7,10 +7,10 @@ gradient store, set once.
 
 Example::
 
-    held = [held_piece(s, master.rows[s.index]) for s in slots]
+    held = [held_piece(s, precision.step_rows[s.index]) for s in slots]   # fp32: the master rows
     grads = [held_piece(s, store.piece(s)) for s in slots]
     adopt_inner_optimizer(optimizer, slots, held, grads, rank)
-    optimizer.param_groups[0]["params"]   # master rows, not the model's params
+    optimizer.param_groups[0]["params"]   # the held pieces, not the model's params
 """
 
 from __future__ import annotations
