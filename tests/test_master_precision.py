@@ -1,6 +1,9 @@
 """bf16 master rows (``ZeroConfig.master_dtype="bf16"``, [Note: bf16 masters]): the rounding
 functions, parity with a hand-written reference at world sizes 1 and 2, the bytes saved and the
-scratch freed after the step, checkpoints (also across master dtypes), offload, FakeTensorMode."""
+scratch freed after the step, checkpoints (also across master dtypes), offload, FakeTensorMode, and
+the Trainer taking them from ``--zero_config``."""
+
+import json
 
 import pytest
 import torch
@@ -10,7 +13,9 @@ from torch.nn.functional import mse_loss
 from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.master_precision import round_nearest, round_stochastic
+from tests.hf_models import tiny_gpt2
 from tests.models import BranchyNet, batch, make_inner, param_groups
+from tests.trainer_runs import logged, make_args, train
 
 STEPS = 4
 
@@ -293,3 +298,23 @@ def test_update_runs_under_fake_tensors(master_dtype):
             assert opt._precision.scratch_bytes() == 0
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------- Trainer
+
+
+def trainer_body(rank, world_size, tmp):
+    knobs = {"bf16": True, "zero_config": json.dumps({"master_dtype": "bf16", "master_rounding": "nearest"})}
+    args = make_args(f"{tmp}/bf16", 2, save_strategy="steps", save_steps=3, **knobs)
+    model = tiny_gpt2()
+    trainer = train(model, args)
+    assert trainer.zero_optimizer.master.flat.dtype is torch.bfloat16
+    fp32 = train(tiny_gpt2(), make_args(f"{tmp}/fp32", 2, bf16=True))
+    assert logged(trainer, "loss") == pytest.approx(logged(fp32, "loss"), rel=2e-2)  # tracks fp32 masters
+    resumed = train(tiny_gpt2(seed=5), args, resume=f"{tmp}/bf16/checkpoint-3")
+    for p, q in zip(resumed.model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_trainer_takes_bf16_masters_from_zero_config_and_resumes_exactly(tmp_path):
+    run_distributed(trainer_body, 2, tmp=str(tmp_path))
