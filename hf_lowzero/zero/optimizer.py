@@ -323,9 +323,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _update(self, used: torch.Tensor | None) -> None:
         """The update once the step is decided: mask params used on no rank (``used``: a bool per
         slot; None leaves the masks as the last step set them: none on a fresh optimizer), sync
-        hyperparameters, step the inner optimizer on the masters,
-        write them back into the params. Nothing here reads tensor data on the host, so it also
-        runs under ``FakeTensorMode`` (a memory planner calls ``_update(None)``)."""
+        hyperparameters, step the inner optimizer on the masters, write them back into the params.
+        Nothing here reads tensor data on the host, so it also runs under ``FakeTensorMode`` (a
+        memory planner calls ``_update(None)``)."""
         if used is not None:
             self._unused_mask.apply(used)
         self._groups.sync()
