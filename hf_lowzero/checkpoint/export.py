@@ -33,10 +33,11 @@ def consolidate_checkpoint(
 ) -> OrderedDict[str, torch.Tensor]:
     """Full model weights by name from a sharded checkpoint (reads every rank file; no process group).
 
-    Trainable params come from the fp32 master weights; frozen params and persistent buffers are
-    returned in the dtype they were saved in. A checkpoint saved with ``model_extras=False`` (the
-    Trainer's; a LoRA run's) holds only the trainable params: ``base`` (a model, or its state
-    dict) supplies the rest, which must have the recorded names and shapes.
+    Trainable params come from the master weights, as fp32 (bf16 masters are cast up, exactly);
+    frozen params and persistent buffers are returned in the dtype they were saved in. A checkpoint
+    saved with ``model_extras=False`` (the Trainer's; a LoRA run's) holds only the trainable params:
+    ``base`` (a model, or its state dict) supplies the rest, which must have the recorded names and
+    shapes.
 
     Example::
 

@@ -73,7 +73,7 @@ def partial_dir(path: PurePath) -> PurePath:
 
 
 def master_key(name: str) -> str:
-    return f"master/{name}"  # this rank's real (unpadded) elements of the fp32 master weights
+    return f"master/{name}"  # this rank's real (unpadded) elements of the master weights (fp32 or bf16)
 
 
 def state_key(name: str, key: str) -> str:

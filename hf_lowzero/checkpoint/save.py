@@ -50,12 +50,12 @@ CRASH_POINT_ENV = "HF_LOWZERO_CRASH_POINT"  # fault injection for tests: "after_
 def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_extras: bool = True) -> Path:
     """Write ``opt``'s sharded state to directory ``path`` (collective; see [Note: atomic save]).
 
-    Holds every rank's rows of the fp32 master weights and of the optimizer state, the param
-    groups, loss scaler and counters, and (``model_extras=True``) the model's frozen params and
-    persistent buffers, so that the checkpoint alone consolidates into a complete model. With
-    ``model_extras=False`` only their names and shapes are recorded: for callers that save the
-    model themselves (the Trainer; a LoRA run whose frozen base is the pretrained model).
-    Loadable at any world size with :func:`hf_lowzero.load_checkpoint`.
+    Holds every rank's rows of the master weights (in the masters' dtype: fp32, or bf16) and of the
+    optimizer state, the param groups, loss scaler and counters, and (``model_extras=True``) the
+    model's frozen params and persistent buffers, so that the checkpoint alone consolidates into a
+    complete model. With ``model_extras=False`` only their names and shapes are recorded: for
+    callers that save the model themselves (the Trainer; a LoRA run whose frozen base is the
+    pretrained model). Loadable at any world size with :func:`hf_lowzero.load_checkpoint`.
     """
     path = Path(path)
     partial = Path(partial_dir(path))

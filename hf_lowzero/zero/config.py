@@ -57,6 +57,7 @@ def check_stage(value: object, field_name: str, allow_off: bool = False) -> int:
 
 
 PARTITIONS = ("auto", "rows", "params")  # ZeroConfig.partition: see [Note: two ways to own a parameter]
+MASTER_ROUNDINGS = ("stochastic", "nearest")  # ZeroConfig.master_rounding: see [Note: bf16 masters]
 
 
 @dataclass(kw_only=True)
@@ -106,6 +107,21 @@ class ZeroConfig:
     from that element alone, so ``partition="auto"`` puts it on row shards (not LAMB, Adafactor,
     Shampoo, Muon). Without it such an optimizer gets whole-parameter ownership."""
 
+    master_dtype: torch.dtype | str = "fp32"
+    """dtype of the master rows each rank keeps between steps: ``"fp32"`` (4 bytes per owned
+    element) or ``"bf16"`` (2 bytes; the inner optimizer still computes in fp32 on a copy that
+    exists only during the step, [Note: bf16 masters] in ``master_precision.py``). Also
+    ``"float32"``/``"bfloat16"`` or the torch dtype; fp16 masters are refused (too narrow a range)."""
+
+    master_rounding: str = "stochastic"
+    """bf16 masters only: how the fp32 result of a step is rounded into them. ``"stochastic"``
+    (unbiased: updates smaller than half a bf16 ulp still move the weights on average) or
+    ``"nearest"`` (deterministic, round-to-nearest-even; small updates are lost)."""
+
+    master_rounding_seed: int = 0
+    """bf16 masters with stochastic rounding: seed of the rounding noise (combined with the rank),
+    so runs are reproducible. The generator is not checkpointed: a resumed run reseeds it."""
+
     initial_scale: float = 2.0**16
     """fp16 only: starting loss scale (bf16 and fp32 params are never scaled)."""
 
@@ -153,8 +169,28 @@ class ZeroConfig:
                 "tensor: element-wise optimizers) or 'params' (whole tensors: any optimizer)"
             )
         self._check_loss_scaling()
+        self._check_master_precision()
         if self.communication_dtype is not None:
             self.communication_dtype = parse_dtype(self.communication_dtype, "communication_dtype")
+
+    def _check_master_precision(self) -> None:
+        expected = "expected 'fp32' (default) or 'bf16' (or 'float32'/'bfloat16', torch.float32/torch.bfloat16)"
+        try:
+            dtype = parse_dtype(self.master_dtype, "master_dtype")
+        except ValueError:
+            dtype = None
+        if dtype not in (torch.float32, torch.bfloat16):
+            why = "; fp16 masters are refused: their range is too narrow for weights" if dtype else ""
+            raise ValueError(f"ZeroConfig.master_dtype={self.master_dtype!r} is invalid; {expected}{why}")
+        self.master_dtype = dtype
+        if self.master_rounding not in MASTER_ROUNDINGS:
+            raise ValueError(
+                f"ZeroConfig.master_rounding={self.master_rounding!r} is invalid; expected 'stochastic' "
+                "(default: unbiased) or 'nearest' (deterministic round-to-nearest-even)"
+            )
+        seed = self.master_rounding_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"ZeroConfig.master_rounding_seed={seed!r} is invalid; expected an integer >= 0")
 
     def _check_loss_scaling(self) -> None:
         def bad(name: str, expected: str) -> ValueError:

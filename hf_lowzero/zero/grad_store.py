@@ -32,7 +32,7 @@ from hf_lowzero.zero.layout import bucket_view, piece_view
 from hf_lowzero.zero.memory import same_memory
 from hf_lowzero.zero.params import ParamSlot
 
-MASTER_DTYPE = torch.float32
+GRAD_DTYPE = torch.float32  # gradient rows, whatever the params' and the masters' dtype
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -46,7 +46,7 @@ class DeviceGradStore:
     offloaded = False
 
     def __init__(self, buckets: list[Bucket], device: torch.device) -> None:
-        self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=MASTER_DTYPE, device=device)
+        self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=GRAD_DTYPE, device=device)
 
     def view(self, bucket: Bucket) -> torch.Tensor:
         return bucket_view(self.flat, bucket)
@@ -57,7 +57,7 @@ class DeviceGradStore:
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         """Where a collective may write its result itself (saving a copy), or None."""
-        return self.view(bucket) if first and dtype == MASTER_DTYPE else None
+        return self.view(bucket) if first and dtype == GRAD_DTYPE else None
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
         chunk = self.view(bucket)
@@ -84,14 +84,14 @@ class HostGradStore(DeviceGradStore):
     def __init__(self, buckets: list[Bucket], device: torch.device, pin_memory: bool) -> None:
         self.device = device
         self.pin = pin_memory and device.type == "cuda"
-        self.flat = host_buffer(sum(b.row_numel for b in buckets), MASTER_DTYPE, self.pin)
+        self.flat = host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> host buffer in the comm dtype
         self._pending: dict[int, tuple] = {}  # bucket index -> (host chunk, staging or None, event or None, first)
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         # On CPU the host chunk are the device's memory: reduce straight into them.
-        return self.view(bucket) if first and dtype == MASTER_DTYPE and self.stream is None else None
+        return self.view(bucket) if first and dtype == GRAD_DTYPE and self.stream is None else None
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
         chunk = self.view(bucket)
@@ -99,7 +99,7 @@ class HostGradStore(DeviceGradStore):
             return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
         self._resolve(bucket.index)  # a previous micro-batch's copy of this bucket
         # An fp32 first contribution lands in the host chunk directly; anything to add is staged.
-        direct = first and reduced.dtype == MASTER_DTYPE
+        direct = first and reduced.dtype == GRAD_DTYPE
         target = chunk if direct else self._staging_for(bucket, reduced.dtype)
         event = None
         if self.stream is None:

@@ -97,3 +97,18 @@ class ParamGroups:
         self.outer = list(groups)
         self._last = [{} for _ in self.outer]  # every key counts as changed on the outer side
         self.sync()
+
+    def freeze_sizes(self) -> None:
+        """Remember how many params each group holds on both sides (once the inner optimizer holds
+        the masters); ``check_sizes`` refuses any change."""
+        self._sizes = self._current_sizes()
+
+    def check_sizes(self) -> None:
+        if self._current_sizes() != self._sizes:
+            raise RuntimeError(
+                f"opt.param_groups changed shape after wrapping (group sizes now {self._current_sizes()[0]}); "
+                "the sharded optimizer's params are fixed at construction: edit hyperparameters only"
+            )
+
+    def _current_sizes(self) -> tuple[list[int], list[int]]:
+        return [len(g["params"]) for g in self.outer], [len(g["params"]) for g in self.inner.param_groups]

@@ -131,3 +131,25 @@ def carry_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, master_of: di
         if master is not None and id(master) in position:
             manager.pid2config[id(master)] = config
             manager.index2config[position[id(master)]] = config
+
+
+def check_inner_optimizer(optimizer: object) -> None:
+    """Raise a clear error unless ``optimizer`` is a fresh ``torch.optim.Optimizer`` (which way it
+    can own state is ``choose_partition``'s question).
+
+    Example::
+
+        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+    """
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer  # the class that calls this
+
+    cls = type(optimizer)
+    if isinstance(optimizer, LowLevelZeroOptimizer):
+        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
+    if has_taken_steps(optimizer):
+        raise ValueError(
+            f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "
+            "and load state through LowLevelZeroOptimizer's checkpoint API instead."
+        )

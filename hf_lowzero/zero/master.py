@@ -1,13 +1,14 @@
-"""This rank's fp32 master rows, and the copies between them and the model's params.
+"""This rank's master rows, and the copies between them and the model's params.
 
-The rows live in one flat fp32 tensor in the owned-rows space (bucket after bucket), on the
+The rows live in one flat tensor (fp32, or bf16: ``ZeroConfig.master_dtype`` and
+[Note: bf16 masters] in ``master_precision.py``) in the owned-rows space (bucket after bucket), on the
 params' device, or in host memory (pinned for CUDA params) with optimizer offload, where the
 inner optimizer then steps them.
 
 Example::
 
     master = MasterRows(slots, buckets, rank, world_size, group, device, offload=False, pin_memory=True, pool=pool)
-    master.rows[slot.index]        # 1D fp32 view of this rank's piece (padding included; may be empty)
+    master.rows[slot.index]        # 1D view (fp32 by default) of this rank's piece (padding included; may be empty)
     master.copy_to_params()        # all-gather the rows back into every rank's params (collective)
 """
 
@@ -21,9 +22,8 @@ from torch.profiler import record_function
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.grad_store import MASTER_DTYPE, host_buffer
+from hf_lowzero.zero.grad_store import host_buffer
 from hf_lowzero.zero.layout import bucket_view, piece_view, unpack_bucket, unpack_targets
-from hf_lowzero.zero.memory import same_memory
 from hf_lowzero.zero.params import ParamSlot
 
 MAX_GATHERS_IN_FLIGHT = 2  # bounds the transient all-gather buffers
@@ -38,6 +38,7 @@ class Gather:
     work: object
     chunk: torch.Tensor  # this rank's updated chunk, in the params' dtype
     out: torch.Tensor  # every rank's chunks, rank-major
+    copied: bool  # chunk is a copy of the master rows (goes back to the pool), not the rows themselves
 
 
 class MasterRows:
@@ -52,15 +53,16 @@ class MasterRows:
         offload: bool,
         pin_memory: bool,
         pool: BufferPool,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.slots, self.buckets = slots, buckets
         self.rank, self.world_size, self.group = rank, world_size, group
         self.pool = pool
         total = sum(b.row_numel for b in buckets)
         if offload:
-            self.flat = host_buffer(total, MASTER_DTYPE, pin_memory and device.type == "cuda")
+            self.flat = host_buffer(total, dtype, pin_memory and device.type == "cuda")
         else:
-            self.flat = torch.zeros(total, dtype=MASTER_DTYPE, device=device)
+            self.flat = torch.zeros(total, dtype=dtype, device=device)
         self.rows = [piece_view(self.flat, s) for s in slots]
         self._unpack_targets = [unpack_targets(b, world_size) for b in buckets]  # views of the params, made once
         self.copy_from_params()
@@ -88,30 +90,28 @@ class MasterRows:
             with record_function("hf_lowzero::unpack_bucket"):
                 unpack_bucket(gather.bucket, gather.out, self.world_size, self._unpack_targets[gather.bucket.index])
             self.pool.give(gather.out)
-            self._release(gather.bucket, gather.chunk)
+            if gather.copied:
+                self.pool.give(gather.chunk)
 
         for bucket in self.buckets:
-            rows = self.bucket_rows(bucket).to(bucket.device, non_blocking=True)
+            master_rows = self.bucket_rows(bucket)
+            rows = master_rows.to(bucket.device, non_blocking=True)
             if rows.dtype != bucket.dtype:
                 rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
+            copied = rows is not master_rows  # identity, not data_ptr(): this runs under FakeTensorMode too
             if self.world_size == 1:  # the rows are the whole params: nothing to gather
                 with record_function("hf_lowzero::unpack_bucket"):
                     unpack_bucket(bucket, rows, 1, self._unpack_targets[bucket.index])
-                self._release(bucket, rows)
+                if copied:
+                    self.pool.give(rows)
                 continue
             out = self.pool.take(bucket.packed_numel, bucket.dtype, bucket.device)
             if not bucket.whole:
                 work = comm.all_gather(out, rows, self.group, async_op=True)
             else:
                 work = comm.gather_from_owners(out, rows, list(bucket.chunks), self.group, async_op=True)
-            in_flight.append(Gather(bucket, work, rows, out))
+            in_flight.append(Gather(bucket, work, rows, out, copied))
             if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
                 finish(in_flight.pop(0))
         for gather in in_flight:
             finish(gather)
-
-    def _release(self, bucket: Bucket, rows: torch.Tensor) -> None:
-        """Give ``rows`` back to the pool when it is a pooled copy in the params' dtype, not the
-        master rows themselves."""
-        if not same_memory(rows, self.bucket_rows(bucket)):
-            self.pool.give(rows)

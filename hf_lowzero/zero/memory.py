@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 
 
 def is_packed(value: object) -> bool:
@@ -94,3 +98,18 @@ class MemoryReport:
         sizes["model_state_bytes"] = self.model_state_bytes
         sizes |= {f"on {device}": nbytes for device, nbytes in self.by_device.items()}
         return {k: round(v / 2**20, 3) for k, v in sizes.items()}
+
+
+def optimizer_memory(opt: LowLevelZeroOptimizer) -> MemoryReport:
+    """What ``opt.memory_report()`` returns: the bytes of each part ``opt`` and its model hold."""
+    managed = {id(slot.param) for slot in opt.slots}
+    state = (v for entry in opt.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+    return MemoryReport.measure(
+        params=bytes_by_device(opt.model.parameters()),
+        grads=bytes_by_device(p.grad for p in opt.model.parameters() if id(p) in managed and p.grad is not None),
+        grad_buffers=opt.reducer.buffer_bytes(),
+        master_rows=bytes_by_device([opt.master.flat]),
+        optimizer_state=bytes_by_device(state),
+        buffers=bytes_by_device(opt.model.buffers()),
+        comm_buffers=bytes_by_device(opt.reducer.pool.tensors()),
+    )

@@ -9,17 +9,11 @@ Example::
         opt.step()
         opt.zero_grad()
 
-Lifecycle of one step (docs/architecture.md, "The data path of one step"):
-
-1. backward: a post-accumulate-grad hook marks each param ready; complete buckets are launched in
-   plan order (see [Note: bucket order]); at the end of backward the rest are launched with zeros
-   for missing gradients, and every collective is waited for (``backward.py``).
-2. step: one all-reduce of ``[sum of squared gradients, per-param used flags]`` gives the global
-   norm and which params were used on any rank. A non-finite norm means some rank overflowed:
-   every rank sees the same sum, so every rank skips the same step. Otherwise masked params get
-   ``grad=None`` so the inner optimizer skips them, the rows are unscaled and clipped in one
-   multiply, the inner optimizer updates the fp32 master rows, and the updated rows are
-   all-gathered (bucketed, in the params' dtype) back into the model's params.
+Lifecycle of one step (docs/architecture.md, "The data path of one step"): backward launches
+complete buckets in plan order ([Note: bucket order], ``backward.py``); ``step`` takes the global
+norm and the used flags in one all-reduce and skips on every rank alike when it is not finite
+(``step.py``); ``_update`` steps the inner optimizer on the master rows and all-gathers them back
+into the model's params (``master.py``).
 
 ``opt.param_groups`` hold the model's params; the inner optimizer's hold master rows (see
 [Note: two sets of param groups] in ``groups.py``): slices of every param (row shards), or, with
@@ -40,26 +34,23 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
+from hf_lowzero.zero.adopt import adopt_inner_optimizer, held_piece
 from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_store import make_grad_store
-from hf_lowzero.zero.groups import HOOK_TABLES, NOT_HYPERPARAMETERS, ParamGroups
-from hf_lowzero.zero.inner import (
-    carry_bitsandbytes_overrides,
-    has_taken_steps,
-    partition_for,
-    prefer_fused_on_cpu,
-)
+from hf_lowzero.zero.groups import HOOK_TABLES, ParamGroups
+from hf_lowzero.zero.inner import check_inner_optimizer, partition_for, prefer_fused_on_cpu
 from hf_lowzero.zero.layout import holding_any
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
-from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
-from hf_lowzero.zero.norm import squared_norm
+from hf_lowzero.zero.master_precision import make_master_precision
+from hf_lowzero.zero.memory import MemoryReport, optimizer_memory
 from hf_lowzero.zero.params import WrapGuard, managed_slots
 from hf_lowzero.zero.reducer import BucketReducer
-from hf_lowzero.zero.shard_state import SECTION, SHARD_FORMAT_VERSION, state_dict_error
+from hf_lowzero.zero.shard_state import load_shard_state, shard_state_dict
+from hf_lowzero.zero.step import UnusedMask, count_skipped_step, global_norm_and_usage, scale_rows, unscale_clip_coef
 
 
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
@@ -110,34 +101,26 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             make_grad_store(self.buckets, self.device, offload, pin),
             pool,
         )
-        self.master = MasterRows(
-            self.slots, self.buckets, self.rank, self.world_size, self.process_group, self.device, offload, pin, pool
+        group, cfg = self.process_group, self.config
+        where = (self.rank, self.world_size, group, self.device)
+        self.master = MasterRows(self.slots, self.buckets, *where, offload, pin, pool, cfg.master_dtype)
+        self._precision = make_master_precision(
+            self.master.flat, self.slots, cfg.master_rounding, cfg.master_rounding_seed, self.rank
         )
 
         # Per slot: the tensor the inner optimizer steps (a master row, or an owned param's master
-        # in its shape; None for a param owned elsewhere) and its gradient, fixed views of the stores.
-        self._inner_params = [self._held(slot, self.master.rows[slot.index]) for slot in self.slots]
-        self._inner_grads = [self._held(slot, self.reducer.store.piece(slot)) for slot in self.slots]
-        for master, grad in zip(self._inner_params, self._inner_grads):
-            if master is not None:
-                master.grad = grad  # for good: a step masks the params used on no rank (_mask_unused)
-        self._masked: set[int] = set()  # slots whose master.grad is None for the coming step
+        # in its shape; None for a param owned elsewhere; an fp32 scratch view with bf16 masters)
+        # and its gradient, fixed views of the stores.
+        self._inner_params = [held_piece(slot, self._precision.step_rows[slot.index]) for slot in self.slots]
+        self._inner_grads = [held_piece(slot, self.reducer.store.piece(slot)) for slot in self.slots]
+        self._unused_mask = UnusedMask(self._inner_params, self._inner_grads)
         if self.master.flat.device.type == "cpu":
             prefer_fused_on_cpu(optimizer)
         slot_of = {id(slot.param): slot for slot in self.slots}
         self._groups = ParamGroups(optimizer)
         self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
-        for group in optimizer.param_groups:
-            slots = [slot_of[id(p)] for p in group["params"]]
-            group["params"] = [self._adopt(optimizer, s) for s in slots if self._inner_params[s.index] is not None]
-        carry_bitsandbytes_overrides(
-            optimizer,
-            {id(s.param): self._inner_params[s.index] for s in self.slots if self._inner_params[s.index] is not None},
-        )
-        self._group_sizes = (
-            [len(g["params"]) for g in self._groups.outer],
-            [len(g["params"]) for g in optimizer.param_groups],
-        )
+        adopt_inner_optimizer(optimizer, self.slots, self._inner_params, self._inner_grads, self.rank)
+        self._groups.freeze_sizes()
 
         self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
         self.skipped_steps = 0
@@ -161,28 +144,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
 
     # ----------------------------------------------------------------- torch.optim.Optimizer API
-
-    def _held(self, slot, row: torch.Tensor) -> torch.Tensor | None:
-        """What the inner optimizer sees of ``row`` (this rank's piece of ``slot``): the row itself
-        (row shards), the param's shape (owned whole), or None (owned by another rank)."""
-        if not slot.shard.whole:
-            return row
-        return row.view(slot.param.shape) if slot.row_numel else None
-
-    def _adopt(self, optimizer: torch.optim.Optimizer, slot) -> torch.Tensor:
-        """The master that replaces ``slot``'s param in the inner optimizer. State the inner
-        optimizer's constructor created for the param (Adagrad's ``sum``) moves to it: this rank's
-        slice of each element-wise tensor, as the row slices the param, or the whole of it."""
-        master = self._inner_params[slot.index]
-        created = optimizer.state.pop(slot.param, None)
-        if created:
-            optimizer.state[master] = {key: self._piece_of(value, slot, master) for key, value in created.items()}
-        return master
-
-    def _piece_of(self, value, slot, master: torch.Tensor):
-        if isinstance(value, torch.Tensor) and value.shape == slot.param.shape:
-            return slot.shard.row_of(value, self.rank).to(self.master.flat).view(master.shape)
-        return value.clone() if isinstance(value, torch.Tensor) else value
 
     def __getattr__(self, name: str) -> Any:
         # Public attributes of the inner optimizer that this class does not define (bitsandbytes'
@@ -218,35 +179,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard in torch's format, plus fp32 master rows, loss scaler and counters
+        """This rank's shard in torch's format, plus master rows, loss scaler and counters
         (``shard_state.py``). Local and cheap: no communication, no copies."""
-        inner = self.optim.state
-        state = {}
-        for pos, slot in enumerate(self._slot_at):
-            held = self._inner_params[slot.index]
-            entry = inner.get(held) if held is not None else None
-            if entry:
-                state[pos] = dict(entry)
-        groups, pos = [], 0
-        for group in self.param_groups:  # synced
-            n = len(group["params"])
-            names = [s.name for s in self._slot_at[pos : pos + n]]
-            groups.append(dict(group, params=list(range(pos, pos + n)), param_names=names))
-            pos += n
-        zero = {
-            "format_version": SHARD_FORMAT_VERSION,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "stage": self.config.stage,
-            "partition": self.partition,
-            "numels": [s.shard.numel for s in self._slot_at],
-            "owners": [s.shard.owner for s in self._slot_at],
-            "master_rows": {pos: self.master.rows[s.index] for pos, s in enumerate(self._slot_at)},
-            "loss_scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
-        }
-        return {"state": state, "param_groups": groups, SECTION: zero}
+        return shard_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's shard from :meth:`state_dict` of the same rank and world size.
@@ -254,51 +189,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Validated before anything changes. Local: the model's params are not touched (restore
         them as with any torch optimizer, or call :meth:`copy_master_to_params`).
         """
-        own = self.state_dict()[SECTION]
-        expected = own | {"group_sizes": [len(g["params"]) for g in self.param_groups]}
-        error = state_dict_error(state_dict, expected)
-        if error is None and state_dict[SECTION]["loss_scaler"].get("kind") != own["loss_scaler"]["kind"]:
-            error = (
-                f"loss scaler {state_dict[SECTION]['loss_scaler'].get('kind')!r} saved, this optimizer uses "
-                f"{own['loss_scaler']['kind']!r}: the params' dtype differs from the saved run's"
-            )
-        if error is not None:
-            raise ValueError(f"LowLevelZeroOptimizer.load_state_dict: {error}")
-        zero = state_dict[SECTION]
-        with torch.no_grad():
-            for pos, slot in enumerate(self._slot_at):
-                self.master.rows[slot.index].copy_(zero["master_rows"][pos])
-        saved_groups = state_dict["param_groups"]
-        hyper = [{k: v for k, v in g.items() if k not in NOT_HYPERPARAMETERS} for g in saved_groups]
-        # Positions of the params this rank holds, renumbered as the inner optimizer lists them.
-        held = [pos for pos, s in enumerate(self._slot_at) if self._inner_params[s.index] is not None]
-        inner_pos = {pos: i for i, pos in enumerate(held)}
-        inner_groups = [
-            dict(h, params=[inner_pos[p] for p in g["params"] if p in inner_pos]) for h, g in zip(hyper, saved_groups)
-        ]
-        state = {
-            inner_pos[pos]: {k: self._in_shape(v, self._slot_at[pos]) for k, v in entry.items()}
-            for pos, entry in state_dict["state"].items()
-            if pos in inner_pos
-        }
-        self.optim.load_state_dict({"state": state, "param_groups": inner_groups})
-        for group, h in zip(self._groups.outer, hyper):
-            group.update(h)
-        self._groups.sync()
-        self.scaler.load_state_dict(zero["loss_scaler"])
-        self.skipped_steps = int(zero["skipped_steps"])
-        self.consecutive_skips = int(zero["consecutive_skips"])
-
-    def _in_shape(self, value, slot):
-        """A whole param's element-wise state saved flat (checkpoints store it 1D) in the param's shape."""
-        if (
-            slot.shard.whole
-            and isinstance(value, torch.Tensor)
-            and value.dim() == 1
-            and value.numel() == slot.shard.numel
-        ):
-            return value.view(slot.param.shape)
-        return value
+        load_shard_state(self, state_dict)
 
     def train(self) -> None:
         """Schedule-free optimizers: switch the inner optimizer to its training point and write it
@@ -313,7 +204,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _switch_mode(self, mode: str) -> None:
         switch = getattr(self.optim, mode, None)
         if callable(switch):
-            switch()  # moves the masters this rank holds
+            with self._precision.stepping():
+                switch()  # moves the masters this rank holds
             self.copy_master_to_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -330,12 +222,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._pending_norm = None
 
     def copy_master_to_params(self) -> None:
-        """Write the fp32 master rows back into the model's params (all-gather, bucketed, in the
+        """Write the master rows back into the model's params (all-gather, bucketed, in the
         params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it."""
         self.master.copy_to_params()
 
     def copy_params_to_master(self) -> None:
-        """Re-read this rank's fp32 master rows from the model's params. Local.
+        """Re-read this rank's master rows from the model's params. Local.
 
         For code that loaded new weights into the model in place after wrapping (a Trainer resuming
         from a checkpoint without optimizer state, ``load_best_model_at_end``); optimizer state is
@@ -412,32 +304,35 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
         self._sync.check_finished("step")
         self._guard.check()
-        self._check_group_sizes()
+        self._groups.check_sizes()
         with record_function("hf_lowzero::grad_norm"):
             reduced, scaled_norm, used = self._norm_and_usage()
         if not math.isfinite(scaled_norm):
-            self.last_step_applied = self._skip_step()
+            self.last_step_applied = count_skipped_step(self)
             return False
 
         # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
-        clip = self.config.clip_grad_norm
-        clip_coef = min(1.0, clip / (self.last_grad_norm + 1e-6)) if clip > 0 else 1.0
-        coef = clip_coef / self.scaler.scale
-        if coef != 1.0:
-            for chunk in reduced:
-                if chunk is not None:
-                    chunk.mul_(coef)
-        self._mask_unused(used)
-        self._groups.sync()
-        with record_function("hf_lowzero::inner_step"):
-            self.optim.step()
-        with record_function("hf_lowzero::copy_master_to_params"):
-            self.copy_master_to_params()
+        scale_rows(reduced, unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale))
+        self._update(used)
         self.scaler.update(overflow=False)
         self.consecutive_skips = 0
         self._forget_gradients()  # every p.grad was consumed by the flush
         self.last_step_applied = True
         return True
+
+    def _update(self, used: torch.Tensor | None) -> None:
+        """The update once the step is decided: mask params used on no rank (``used``: a bool per
+        slot; None leaves the masks as the last step set them: none on a fresh optimizer), sync
+        hyperparameters, step the inner optimizer on the masters, write them back into the params.
+        Nothing here reads tensor data on the host, so it also runs under ``FakeTensorMode`` (a
+        memory planner calls ``_update(None)``)."""
+        if used is not None:
+            self._unused_mask.apply(used)
+        self._groups.sync()
+        with record_function("hf_lowzero::inner_step"), self._precision.stepping():
+            self.optim.step()
+        with record_function("hf_lowzero::copy_master_to_params"):
+            self.copy_master_to_params()
 
     def grad_norm(self) -> float:
         """Global L2 norm of this step's averaged, unscaled gradients (before clipping). Collective.
@@ -449,70 +344,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._norm_and_usage()  # sets last_grad_norm
         return self.last_grad_norm
 
-    def _check_group_sizes(self) -> None:
-        sizes = [len(g["params"]) for g in self._groups.outer]
-        if (sizes, [len(g["params"]) for g in self.optim.param_groups]) != self._group_sizes:
-            raise RuntimeError(
-                f"opt.param_groups changed shape after wrapping (group sizes now {sizes}); the sharded "
-                "optimizer's params are fixed at construction: edit hyperparameters only"
-            )
-
-    def _mask_unused(self, used: torch.Tensor) -> None:
-        """Params used on no rank get no gradient: no update, no weight decay, no state. The
-        masters' ``.grad`` are fixed views of the gradient store; only changes are written."""
-        held = self._inner_params
-        unused = {i for i in (~used).nonzero().flatten().tolist() if held[i] is not None}
-        for index in self._masked - unused:
-            held[index].grad = self._inner_grads[index]
-        for index in unused - self._masked:
-            held[index].grad = None
-        self._masked = unused
-
     def _norm_and_usage(self):
         self._sync.flush_loose()  # [Note: one hook per bucket]: gradients no backward flushed
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
             reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
-            scaled_norm, used = self._global_norm_and_usage(reduced)
+            scaled_norm, used = global_norm_and_usage(reduced, self._sync.used, self.device, self.process_group)
             self.last_grad_norm = scaled_norm / self.scaler.scale
             self._pending_norm = (self._sync.grad_version, reduced, scaled_norm, used)
         return self._pending_norm[1:]
-
-    def _global_norm_and_usage(self, reduced: list[torch.Tensor | None]) -> tuple[float, torch.Tensor]:
-        """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params
-        got a gradient on any rank (bool per slot; DDP's unused-parameter detection). Padding rows
-        are zero, so the norm equals ``clip_grad_norm_`` over the full gradients; any inf/nan makes
-        it non-finite."""
-        # Computed where the rows live (host memory with offload), reduced on the params' device;
-        # fp32 block norms summed in float64 ([Note: blocked norm]).
-        square_sum = squared_norm([chunk for chunk in reduced if chunk is not None]).reshape(1)
-        used = self._sync.used.to(torch.float64)
-        stats = torch.cat([square_sum.to(self.device), used.to(self.device)])
-        comm.all_reduce(stats, self.process_group)
-        stats = stats.cpu()
-        return math.sqrt(stats[0].item()), stats[1:] > 0
-
-    def _skip_step(self) -> bool:
-        """Count a skipped step, back the loss scale off, discard the gradients; False, or raise
-        when training can make no progress."""
-        was_at_min_scale = self.scaler.at_min_scale
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        self.scaler.update(overflow=True)
-        self.zero_grad()
-        if was_at_min_scale:
-            raise RuntimeError(
-                f"gradients are not finite even at the minimum loss scale ({self.config.min_scale}); "
-                f"{self.skipped_steps} steps skipped so far. The model itself produces inf/nan: lower "
-                "the learning rate, enable clip_grad_norm, check the data, or train in bf16/fp32."
-            )
-        if self.consecutive_skips >= self.config.max_consecutive_skips:
-            raise RuntimeError(
-                f"{self.consecutive_skips} consecutive steps were skipped because gradients were not "
-                f"finite (loss scale now {self.scaler.scale}); training is making no progress. Lower "
-                "the learning rate, enable clip_grad_norm, check the data for inf/nan, or raise "
-                "ZeroConfig.max_consecutive_skips if this is expected."
-            )
-        return False
 
     @property
     def loss_scale(self) -> float:
@@ -528,34 +367,4 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds right now, per part and per device, measured from the live tensors."""
-        managed = {id(slot.param) for slot in self.slots}
-        state = (v for entry in self.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
-        return MemoryReport.measure(
-            params=bytes_by_device(self.model.parameters()),
-            grads=bytes_by_device(p.grad for p in self.model.parameters() if id(p) in managed and p.grad is not None),
-            grad_buffers=self.reducer.buffer_bytes(),
-            master_rows=bytes_by_device([self.master.flat]),
-            optimizer_state=bytes_by_device(state),
-            buffers=bytes_by_device(self.model.buffers()),
-            comm_buffers=bytes_by_device(self.reducer.pool.tensors()),
-        )
-
-
-def check_inner_optimizer(optimizer: object) -> None:
-    """Raise a clear error unless ``optimizer`` is a fresh ``torch.optim.Optimizer`` (which way it
-    can own state is ``choose_partition``'s question).
-
-    Example::
-
-        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
-    """
-    cls = type(optimizer)
-    if isinstance(optimizer, LowLevelZeroOptimizer):
-        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
-    if has_taken_steps(optimizer):
-        raise ValueError(
-            f"{cls.__name__} already has state (it has taken steps); wrap a freshly built optimizer "
-            "and load state through LowLevelZeroOptimizer's checkpoint API instead."
-        )
+        return optimizer_memory(self)

@@ -12,22 +12,32 @@ format has no place for and an exact restore needs:
               "master_rows": {0: row, ...},
               "loss_scaler": {...}, "skipped_steps": 0, "consecutive_skips": 0}}
 
-A master row is 1D fp32: this rank's piece of the param, ``ParamShard(numel, world_size,
+A master row is 1D, in the masters' dtype (fp32, or bf16: ``ZeroConfig.master_dtype``; loading
+casts, so either loads into either): this rank's piece of the param, ``ParamShard(numel, world_size,
 owner).piece_numel(rank)`` elements (padding included). With row shards (``owners`` all None) every
 element-wise state tensor is such a row; with whole-parameter ownership (``partition="params"``,
 ``owners`` the rank of each) ``state`` holds only the owned params, with whatever state tensors the
 inner optimizer keeps, in their own shapes, and the other positions' rows are empty.
 Like ``torch.optim.Optimizer.state_dict()``, the tensors are references to the live state: copy or
 save them before training on.
+
+Example::
+
+    saved = shard_state_dict(opt)        # what opt.state_dict() returns
+    load_shard_state(opt, saved)         # what opt.load_state_dict(saved) does
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS
 from hf_lowzero.zero.partition import ParamShard
+
+if TYPE_CHECKING:
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 
 SECTION = "zero"
 SHARD_FORMAT_VERSION = 2  # 2 added "partition" and "owners"; 1 (row shards only) still loads
@@ -110,3 +120,80 @@ def is_whole_state(value: Any, shard: ParamShard, rank: int) -> bool:
         and not is_row_state(value, shard, rank)
         and value.dim() >= 1  # 0-dim tensors (``step``) are scalars
     )
+
+
+def shard_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
+    """``opt``'s shard in the format above. Local and cheap: no communication, no copies."""
+    inner = opt.optim.state
+    state = {}
+    for pos, slot in enumerate(opt._slot_at):
+        held = opt._inner_params[slot.index]
+        entry = inner.get(held) if held is not None else None
+        if entry:
+            state[pos] = dict(entry)
+    groups, pos = [], 0
+    for group in opt.param_groups:  # synced
+        n = len(group["params"])
+        names = [s.name for s in opt._slot_at[pos : pos + n]]
+        groups.append(dict(group, params=list(range(pos, pos + n)), param_names=names))
+        pos += n
+    zero = {
+        "format_version": SHARD_FORMAT_VERSION,
+        "world_size": opt.world_size,
+        "rank": opt.rank,
+        "stage": opt.config.stage,
+        "partition": opt.partition,
+        "numels": [s.shard.numel for s in opt._slot_at],
+        "owners": [s.shard.owner for s in opt._slot_at],
+        "master_rows": {pos: opt.master.rows[s.index] for pos, s in enumerate(opt._slot_at)},
+        "loss_scaler": opt.scaler.state_dict(),
+        "skipped_steps": opt.skipped_steps,
+        "consecutive_skips": opt.consecutive_skips,
+    }
+    return {"state": state, "param_groups": groups, SECTION: zero}
+
+
+def load_shard_state(opt: LowLevelZeroOptimizer, state_dict: dict[str, Any]) -> None:
+    """Restore ``opt``'s shard from :func:`shard_state_dict` of the same rank and world size,
+    validated before anything changes. Local: the model's params are not touched."""
+    own = shard_state_dict(opt)[SECTION]
+    expected = own | {"group_sizes": [len(g["params"]) for g in opt.param_groups]}
+    error = state_dict_error(state_dict, expected)
+    if error is None and state_dict[SECTION]["loss_scaler"].get("kind") != own["loss_scaler"]["kind"]:
+        error = (
+            f"loss scaler {state_dict[SECTION]['loss_scaler'].get('kind')!r} saved, this optimizer uses "
+            f"{own['loss_scaler']['kind']!r}: the params' dtype differs from the saved run's"
+        )
+    if error is not None:
+        raise ValueError(f"LowLevelZeroOptimizer.load_state_dict: {error}")
+    zero = state_dict[SECTION]
+    with torch.no_grad():
+        for pos, slot in enumerate(opt._slot_at):
+            opt.master.rows[slot.index].copy_(zero["master_rows"][pos])
+    saved_groups = state_dict["param_groups"]
+    hyper = [{k: v for k, v in g.items() if k not in NOT_HYPERPARAMETERS} for g in saved_groups]
+    # Positions of the params this rank holds, renumbered as the inner optimizer lists them.
+    held = [pos for pos, s in enumerate(opt._slot_at) if opt._inner_params[s.index] is not None]
+    inner_pos = {pos: i for i, pos in enumerate(held)}
+    inner_groups = [
+        dict(h, params=[inner_pos[p] for p in g["params"] if p in inner_pos]) for h, g in zip(hyper, saved_groups)
+    ]
+    state = {
+        inner_pos[pos]: {k: _in_shape(v, opt._slot_at[pos]) for k, v in entry.items()}
+        for pos, entry in state_dict["state"].items()
+        if pos in inner_pos
+    }
+    opt.optim.load_state_dict({"state": state, "param_groups": inner_groups})
+    for group, h in zip(opt._groups.outer, hyper):
+        group.update(h)
+    opt._groups.sync()
+    opt.scaler.load_state_dict(zero["loss_scaler"])
+    opt.skipped_steps = int(zero["skipped_steps"])
+    opt.consecutive_skips = int(zero["consecutive_skips"])
+
+
+def _in_shape(value, slot):
+    """A whole param's element-wise state saved flat (checkpoints store it 1D) in the param's shape."""
+    if slot.shard.whole and isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == slot.shard.numel:
+        return value.view(slot.param.shape)
+    return value
