@@ -26,6 +26,7 @@ __all__ = [
     "consolidate_checkpoint",
     "full_state_dict",
     "load_checkpoint",
+    "plan_memory",
     "save_checkpoint",
     "with_zero",
 ]
@@ -38,6 +39,10 @@ def __getattr__(name: str):
         from hf_lowzero import trainer
 
         return getattr(trainer, name)
+    if name == "plan_memory":  # simulates transformers models
+        from hf_lowzero.plan import plan_memory
+
+        return plan_memory
     raise AttributeError(f"module 'hf_lowzero' has no attribute {name!r}")
 
 

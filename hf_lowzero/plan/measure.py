@@ -76,6 +76,7 @@ class PlanCase:
     gradient_accumulation_steps: int = 1
     batch_size: int = 4
     seq_len: int = 64
+    master_dtype: str = "fp32"
 
     @property
     def label(self) -> str:
@@ -85,6 +86,8 @@ class PlanCase:
             parts.append("checkpointing")
         if self.gradient_accumulation_steps > 1:
             parts.append(f"accumulation {self.gradient_accumulation_steps}")
+        if self.master_dtype != "fp32":
+            parts.append(f"{self.master_dtype} masters")
         return ", ".join(parts)
 
 
@@ -130,6 +133,7 @@ def case_training(case: PlanCase) -> TrainingSpec:
         gradient_checkpointing=case.gradient_checkpointing,
         gradient_accumulation_steps=case.gradient_accumulation_steps,
         per_device_train_batch_size=case.batch_size,
+        zero_master_dtype=case.master_dtype,
     )
     return TrainingSpec.from_args(args)
 

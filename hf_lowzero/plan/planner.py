@@ -148,9 +148,9 @@ def plan_memory(
     host = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
     spec = ModelSpec.from_source(model_or_config, lora_r=lora_r, lora_targets=lora_targets)
     training = TrainingSpec.from_args(args if args is not None else _default_args())
-    seq_len = seq_len or min(spec.max_seq_len() or 2048, 2048)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r} is invalid; expected tokens per sample (>= 1)")
+    seq_len = seq_len or min(spec.max_seq_len() or 2048, 2048)
     usable = int(capacity * (1 - reserve))
     batch = training.batch_size
 

@@ -326,13 +326,7 @@ class _Step:
             self.inner.zero_grad(set_to_none=True)
             return
         if fake:
-            update = getattr(self.opt, "_update", None)  # TODO(merge): the split optimizer's _update
-            if update is not None:
-                update(None)  # the step without its data-dependent norm ([Note: what the simulation leaves out])
-            else:
-                self.opt._groups.sync()
-                self.opt.optim.step()
-                self.opt.copy_master_to_params()
+            self.opt._update(None)  # the step without its data-dependent norm ([Note: what the simulation leaves out])
         else:
             self.opt.step()
         self.opt.zero_grad()

@@ -42,6 +42,7 @@ class ZeroArguments:
     zero_communication_dtype: str | None
     zero_offload_optimizer: bool | None
     zero_partition: str | None
+    zero_master_dtype: str | None
     zero_config: str | None
 
     def __post_init__(self) -> None:
@@ -77,6 +78,7 @@ class ZeroArguments:
             "communication_dtype": self.zero_communication_dtype,
             "offload_optimizer": self.zero_offload_optimizer,
             "partition": self.zero_partition,
+            "master_dtype": self.zero_master_dtype,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
         stage = 2 if self.zero_stage in (0, "auto") else self.zero_stage
@@ -122,6 +124,13 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         metadata={
             "help": "How ranks own optimizer state: rows (slices of every tensor: element-wise optimizers), "
             "params (whole tensors: any optimizer), auto (rows for element-wise optimizers, else params; default)"
+        },
+    )
+    zero_master_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype of the master rows between steps: fp32 (default) or bf16 (2 bytes per owned param fewer; "
+            "the step computes in fp32 and rounds back stochastically: see the README's 'bf16 master rows')"
         },
     )
     zero_config: str | None = field(

@@ -1,0 +1,300 @@
+"""The memory plan: simulated steps against real ones, the model-state formulas, the choice, the
+command, and ``zero_stage="auto"`` in the Trainer.
+
+The plan's figures come from the real code under fake tensors; the measured ones from the same
+code on real tensors in real gloo ranks (``hf_lowzero.plan.measure``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from transformers import GPT2LMHeadModel
+
+from hf_lowzero import LowZeroTrainer, LowZeroTrainingArguments, plan_memory
+from hf_lowzero.plan.__main__ import main as plan_main
+from hf_lowzero.plan.measure import PlanCase, case_training, check_case, tiny_model_spec
+from hf_lowzero.plan.planner import parse_bytes
+from hf_lowzero.plan.simulate import Setup, simulate_step
+from tests.hf_models import TokenDataset, tiny_gpt2
+
+# What the fast tier checks against real steps: each model family, DDP and both stages, offload,
+# an 8-bit optimizer (whole-param ownership, state from a probe), LoRA, checkpointing,
+# accumulation, bf16 masters. benchmarks/memory_plan.py and the slow tier check more.
+FAST_CASES = [
+    PlanCase("gpt2", stage=0),
+    PlanCase("gpt2-lora", stage=2, gradient_checkpointing=True),
+    PlanCase("gpt2", optim="adamw_bnb_8bit", stage=2),
+    PlanCase("t5", stage=1, offload=True, gradient_accumulation_steps=2),
+    PlanCase("bert", stage=2, world_size=1, master_dtype="bf16"),
+]
+SLOW_CASES = [
+    PlanCase("gpt2", stage=2, world_size=4, bf16=False, gradient_checkpointing=True),
+    PlanCase("bert", stage=0, world_size=4, optim="adamw_bnb_8bit"),
+    PlanCase("t5", stage=2, world_size=4, offload=True),
+    PlanCase("gpt2-lora", stage=1, world_size=2, gradient_accumulation_steps=2),
+]
+
+
+def assert_plan_matches(case: PlanCase) -> None:
+    result = check_case(case)
+    assert result["model_states_ratio"] == pytest.approx(1.0, abs=0.01), result
+    assert result["peak_ratio"] == pytest.approx(1.0, abs=0.10), result
+    # the only traffic the plan leaves out is the norm's all-reduce: a few bytes per param tensor
+    assert result["planned_sent"] == pytest.approx(result["measured_sent"], rel=0.01, abs=1024), result
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: c.label)
+def test_plan_matches_a_real_step(case):
+    assert_plan_matches(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.label)
+def test_plan_matches_a_real_step_more(case):
+    assert_plan_matches(case)
+
+
+def owned_numel(psi: int, world_size: int) -> int:
+    return math.ceil(psi / world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_model_state_formulas(world_size):
+    """The README's formulas, per rank, with Ψ trainable params (Adam: two fp32 states per element
+    plus a step counter per tensor; rows padded to a multiple of the world size per bucket)."""
+    spec = tiny_model_spec("gpt2")
+    psi = sum(p.numel() for p in spec.model_class(spec.config).parameters())
+    tensors = len(list(spec.model_class(spec.config).parameters()))
+    steps = 4 * tensors  # AdamW's step counter: one fp32 scalar per tensor it holds
+    fp32 = case_training(PlanCase(bf16=False))
+    bf16 = case_training(PlanCase(bf16=True))
+    bf16_masters = case_training(PlanCase(bf16=True, master_dtype="bf16"))
+
+    def states(training, setup):
+        return simulate_step(spec, training, setup, world_size, 2, 32).model_states
+
+    rows = owned_numel(psi, world_size)
+    tolerance = 0.01  # bucket padding and the step counters of tensors a rank holds no rows of
+    assert states(fp32, Setup(0)) == pytest.approx(16 * psi + steps, rel=tolerance)  # DDP: 4 + 4 + 8
+    for stage in (1, 2):
+        # bf16 params, fp32 gradient rows, fp32 masters, fp32 Adam states
+        assert states(bf16, Setup(stage)) == pytest.approx(2 * psi + 16 * rows + steps, rel=tolerance)
+        assert states(bf16_masters, Setup(stage)) == pytest.approx(2 * psi + 14 * rows + steps, rel=tolerance)
+        # fp32 params keep fp32 masters of their own: ZeRO costs 4 bytes per owned element more than DDP
+        assert states(fp32, Setup(stage)) == pytest.approx(4 * psi + 16 * rows + steps, rel=tolerance)
+    offloaded = simulate_step(spec, bf16, Setup(2, offload=True), world_size, 2, 32)
+    on_device = simulate_step(spec, bf16, Setup(2), world_size, 2, 32)
+    # host: fp32 masters, Adam states and gradient rows, and a bf16 staging copy of the rows
+    assert offloaded.host == pytest.approx(18 * rows + steps, rel=tolerance)
+    assert offloaded.peak == pytest.approx(on_device.peak - offloaded.host, rel=tolerance)
+
+
+def plan_for(memory, **kwargs):
+    args = LowZeroTrainingArguments(output_dir=os.devnull, use_cpu=True, report_to=[], bf16=True, **kwargs)
+    return plan_memory(tiny_model_spec("gpt2"), args, world_size=4, device_memory=memory, seq_len=64, backend="gloo")
+
+
+def test_plan_recommends_the_cheapest_setup_that_fits():
+    roomy = plan_for("1GiB", per_device_train_batch_size=2)
+    peaks = {(r.stage, r.offload): r.peak_bytes for r in roomy.rows}
+    # with room for all, DDP would send as much as ZeRO (bf16 ZeRO sends less: bf16 gradients and
+    # params against DDP's fp32 gradients), so the choice is a ZeRO stage without offload
+    assert roomy.recommended.offload is False
+    assert roomy.recommended.sent_bytes_per_step == min(r.sent_bytes_per_step for r in roomy.rows if not r.offload)
+    assert peaks[(0, False)] > peaks[(2, False)] > peaks[(2, True)]
+    assert roomy.row(1).peak_bytes == roomy.row(2).peak_bytes  # one micro-batch: the same code runs
+
+    # room for offloaded ZeRO only: the plan takes offload, and says it had to
+    between = (peaks[(2, False)] + peaks[(2, True)]) / 2 / 0.9
+    tight = plan_for(int(between), per_device_train_batch_size=2)
+    assert (tight.recommended.stage, tight.recommended.offload) in ((1, True), (2, True))
+    assert "no setup fits without optimizer offload" in tight.reason
+
+    # nothing fits at this batch, but a smaller one would: the plan names it
+    crowded = plan_for(int(peaks[(2, True)] / 0.9) - 1, per_device_train_batch_size=2)
+    assert crowded.recommended is None
+    assert "the largest batch that fits is 1" in crowded.reason
+
+
+def test_largest_batch_fits_and_one_more_does_not():
+    plan = plan_for("12MiB", per_device_train_batch_size=1)
+    best = plan.recommended
+    assert best is not None and best.max_batch_size > 1
+    spec, training = tiny_model_spec("gpt2"), case_training(PlanCase(bf16=True, batch_size=1))
+    setup = Setup(best.stage, best.offload)
+    fits = simulate_step(spec, training, setup, 4, best.max_batch_size, 64, backend="gloo")
+    over = simulate_step(spec, training, setup, 4, best.max_batch_size + 1, 64, backend="gloo")
+    assert fits.peak <= plan.usable_memory < over.peak
+
+
+def test_plan_command(tmp_path, capsys):
+    config = tiny_model_spec("gpt2").config
+    config.save_pretrained(tmp_path / "model")
+    out = tmp_path / "plan.json"
+    argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32"]
+    flags = ["--bf16", "--per_device_train_batch_size", "2", "--json", str(out)]
+    assert plan_main([*argv, "--device-memory", "1GiB", *flags]) == 0
+    text = capsys.readouterr().out
+    assert "stage 0 (DDP)" in text and "stage 2 + offload" in text and "Recommended:" in text
+    saved = json.loads(out.read_text())
+    assert [(r["stage"], r["offload"]) for r in saved["rows"]] == [
+        (0, False),
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    ]
+    assert saved["recommended"] in saved["rows"]
+    assert set(saved["rows"][0]["breakdown"]) == {
+        "params", "gradients", "master", "optimizer_state", "frozen", "activations", "buffers"
+    }  # fmt: skip
+    # the same plan from the Python API
+    api = plan_memory(
+        str(tmp_path / "model/config.json"),
+        LowZeroTrainingArguments(
+            output_dir=os.devnull, use_cpu=True, report_to=[], bf16=True, per_device_train_batch_size=2
+        ),
+        world_size=2,
+        device_memory="1GiB",
+        seq_len=32,
+    )
+    assert [r.peak_bytes for r in api.rows] == [r["peak_bytes"] for r in saved["rows"]]
+
+    assert plan_main([*argv, "--device-memory", "100KiB"]) == 1  # nothing fits: exit status 1
+    assert "Nothing fits" in capsys.readouterr().out
+    assert plan_main([*argv, "--device-memory", "80XB"]) == 2
+    assert "device_memory='80XB' is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(world_size=0), "world_size=0 is invalid"),
+        (dict(device_memory="-3GiB"), "device_memory='-3GiB' is invalid"),
+        (dict(seq_len=0), "seq_len=0 is invalid"),
+        (dict(lora_r=0), "lora_r=0 is invalid"),
+    ],
+)
+def test_plan_refuses_bad_input(bad, message):
+    kwargs = dict(world_size=1, device_memory="1GiB", seq_len=16) | bad
+    with pytest.raises(ValueError, match=message):
+        plan_memory(tiny_model_spec("gpt2").config, **kwargs)
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40 GB") == 40 * 10**9
+    assert parse_bytes("1.5MiB") == 3 * 2**19
+    assert parse_bytes(1024) == 1024
+    with pytest.raises(ValueError, match="expected a positive size"):
+        parse_bytes("lots")
+
+
+class OomGpt2(GPT2LMHeadModel):
+    """GPT-2 on a device where more than ``limit`` sequences run out of memory in backward (on
+    real tensors; the plan's fake ones never do)."""
+
+    limit = 3
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        if input_ids.shape[0] > self.limit and not isinstance(input_ids, FakeTensor):
+            out.logits.register_hook(_oom)
+            out.loss = out.loss + 0 * out.logits.sum()
+        return out
+
+
+def _oom(grad):
+    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (injected in backward)")
+
+
+def auto_args(out, memory, **kwargs):
+    return LowZeroTrainingArguments(
+        output_dir=str(out),
+        zero_stage="auto",
+        zero_device_memory=memory,
+        use_cpu=True,
+        report_to=[],
+        max_steps=3,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        **kwargs,
+    )
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_auto_stage_takes_the_plan_and_trains_as_that_stage(tmp_path, caplog):
+    dataset = TokenDataset()
+    roomy = plan_memory(tiny_gpt2(), auto_args(tmp_path / "p", "1GiB"), device_memory="1GiB", seq_len=16)
+    # fp32 at W=1: ZeRO holds masters besides the params, more than DDP; offloaded, less
+    offloaded, ddp = roomy.row(2, True).peak_bytes, roomy.row(0).peak_bytes
+    assert offloaded < ddp < roomy.row(2).peak_bytes
+    memory = int((offloaded + ddp) / 2 / 0.9)  # only offload fits
+    with caplog.at_level("WARNING", logger="hf_lowzero.trainer.auto"):
+        auto = LowZeroTrainer(model=tiny_gpt2(), args=auto_args(tmp_path / "auto", memory), train_dataset=dataset)
+    assert (auto.args.zero_stage, auto.args.zero_offload_optimizer) == (
+        auto.memory_plan.recommended.stage,
+        auto.memory_plan.recommended.offload,
+    )
+    assert "zero_stage=auto:" in caplog.text and auto.memory_plan.recommended.label in caplog.text
+    assert auto.args.zero_offload_optimizer is True
+    auto.train()
+    chosen = auto.memory_plan.recommended
+    explicit_args = auto_args(tmp_path / "explicit", None)
+    explicit_args.zero_stage, explicit_args.zero_offload_optimizer = chosen.stage, chosen.offload or None
+    explicit = LowZeroTrainer(model=tiny_gpt2(), args=explicit_args, train_dataset=dataset)
+    explicit.train()
+    assert losses(auto) == losses(explicit)
+
+
+def test_auto_stage_refuses_before_training_when_nothing_fits(tmp_path):
+    with pytest.raises(ValueError, match="nothing fits"):
+        LowZeroTrainer(model=tiny_gpt2(), args=auto_args(tmp_path / "none", "64KiB"), train_dataset=TokenDataset())
+    assert not (tmp_path / "none").exists()
+
+
+def test_auto_find_batch_size_starts_from_the_plans_batch(tmp_path):
+    model = OomGpt2(tiny_gpt2().config)
+    args = auto_args(tmp_path / "oom", "8MiB", auto_find_batch_size=True, per_device_train_batch_size=1)
+    trainer = LowZeroTrainer(model=model, args=args, train_dataset=TokenDataset())
+    start = trainer.memory_plan.recommended.max_batch_size
+    assert start > OomGpt2.limit and trainer.args.per_device_train_batch_size == start
+    trainer.train()
+    expected = start
+    while expected > OomGpt2.limit:  # Trainer's search: halve after every out-of-memory error
+        expected //= 2
+    assert trainer._train_batch_size == expected
+    assert len(losses(trainer)) == 3 and all(math.isfinite(v) for v in losses(trainer))
+
+
+def test_auto_stage_flags():
+    args = LowZeroTrainingArguments(output_dir=os.devnull, zero_stage="auto", use_cpu=True, report_to=[])
+    assert args.zero_auto
+    assert LowZeroTrainingArguments(output_dir=os.devnull, zero_stage="2", use_cpu=True).zero_stage == 2
+    with pytest.raises(ValueError, match="zero_stage='three' is invalid"):
+        LowZeroTrainingArguments(output_dir=os.devnull, zero_stage="three", use_cpu=True)
+    with pytest.raises(ValueError, match="zero_device_memory='big' is invalid"):
+        LowZeroTrainingArguments(output_dir=os.devnull, zero_stage="auto", zero_device_memory="big", use_cpu=True)
+
+
+def test_plan_measures_on_the_device(monkeypatch):
+    """Without zero_device_memory the plan takes the free memory: the GPU's, or a share of RAM."""
+    from hf_lowzero.trainer.auto import free_device_memory
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    free = free_device_memory()
+    if not torch.cuda.is_available():
+        with open("/proc/meminfo") as f:
+            available = int(next(line for line in f if line.startswith("MemAvailable")).split()[1]) * 1024
+        assert free == pytest.approx(available / 2, rel=0.05)
+    assert free > 0
