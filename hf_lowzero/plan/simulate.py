@@ -25,6 +25,13 @@ Example::
 # - Optimizers that do not run on fake tensors (torchao's, bitsandbytes') are replaced by a
 #   stateless SGD for the simulated step, and their state is found by stepping the real class on
 #   real tensors of the held shapes (``state_probe.py``).
+# - [Note: steady state] The tracked step is a second step: the optimizer state exists, as in
+#   every step after the first. On real tensors the first is a whole step (one without gradients
+#   would skip every param). On fake ones the update alone, on zero gradients, creates the same
+#   state at half the cost, except with whole-param ownership: there the communication pool keeps
+#   buffers of the uneven exchanges' sizes from the first step on (``buffers.py`` keeps the largest
+#   it was asked for), so the first step runs whole there too; measured, skipping it put the peak
+#   12% low.
 # - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
 """
@@ -221,7 +228,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
                 ddp_buckets = storage_bytes(trainable)  # [Note: what the simulation leaves out]
         batch = spec.batch(batch_size, seq_len, device or "cpu")
         step = _Step(setup, training, runner, opt, inner)
-        step.warm_up(fake, batch, reference)  # the optimizer state exists: the steady state of every later step
+        step.warm_up(fake, batch, reference)  # [Note: steady state]
         tracker.reset_peak()
         sent_before = sum(comm.comm_stats.sent_bytes.values())
         step.forward_backward(batch, reference, device)
@@ -230,6 +237,9 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         step.update(fake)
         sent = sum(comm.comm_stats.sent_bytes.values()) - sent_before
     peak = tracker.peak_on(device) if device is not None else tracker.peak_total()
+    state = _optimizer_state_bytes(opt, inner, training, stand_in, embeddings)
+    if stand_in:
+        peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
     if opt is None and world_size > 1:
         gradient_bytes = sum(p.numel() * p.dtype.itemsize for p in trainable)
         sent = 2 * gradient_bytes * (world_size - 1) // world_size  # DDP's ring all-reduce
@@ -240,9 +250,6 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     frozen = storage_bytes([p for p in model.parameters() if id(p) not in trainable_ids] + list(model.buffers()))
     if reference is not None:
         frozen += storage_bytes(list(reference.parameters()) + list(reference.buffers()))
-    state = _optimizer_state_bytes(opt, inner, training, stand_in, embeddings)
-    if stand_in:
-        peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
     if opt is not None:
         master = storage_bytes([opt.master.flat])
         grad_store = storage_bytes(opt.reducer.store.tensors())
@@ -292,9 +299,9 @@ class _Step:
         self.setup, self.training, self.runner, self.opt, self.inner = setup, training, runner, opt, inner
 
     def warm_up(self, fake: bool, batch, reference) -> None:
-        """Create the optimizer state. Real tensors: a whole step (a step without gradients would
-        skip every param). Fake ones: the update alone, on the zero gradients."""
-        if not fake:
+        """Bring the run to the state every later step starts from ([Note: steady state])."""
+        whole_params = self.opt is not None and self.opt.partition == "params"
+        if not fake or whole_params:
             self.forward_backward(batch, reference, None)
             self.update(fake)
         elif self.opt is not None:
@@ -356,19 +363,29 @@ def _full_precision_embeddings(model: nn.Module, training: TrainingSpec) -> set[
     return weights
 
 
+def _held(opt, inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the tensor the inner optimizer steps, the model's param it stands for), for each it holds."""
+    if opt is None:
+        return [(p, p) for group in inner.param_groups for p in group["params"]]
+    return [(opt._inner_params[s.index], s.param) for s in opt.slots if opt._inner_params[s.index] is not None]
+
+
+def _probes(training: TrainingSpec, opt, inner, embeddings: set[int]):
+    """(probe, shapes of the tensors it stands for) for the held tensors: bitsandbytes' embeddings
+    get a probe of their own, in 32 bits ([Note: what the simulation leaves out])."""
+    held = _held(opt, inner)
+    probe = StateProbe(training.optimizer_cls, training.optimizer_kwargs)
+    full = StateProbe(training.optimizer_cls, training.optimizer_kwargs | {"optim_bits": 32})
+    return [
+        (probe, [tuple(t.shape) for t, p in held if id(p) not in embeddings]),
+        (full, [tuple(t.shape) for t, p in held if id(p) in embeddings]),
+    ]
+
+
 def _optimizer_state_bytes(opt, inner, training: TrainingSpec, stand_in: bool, embeddings: set[int]) -> int:
     if not stand_in:
         return storage_bytes(v for entry in inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
-    # (the tensor the inner optimizer steps, the model's param it stands for)
-    if opt is None:
-        held = [(p, p) for group in inner.param_groups for p in group["params"]]
-    else:
-        held = [(opt._inner_params[s.index], s.param) for s in opt.slots if opt._inner_params[s.index] is not None]
-    probe = StateProbe(training.optimizer_cls, training.optimizer_kwargs)
-    full = StateProbe(training.optimizer_cls, training.optimizer_kwargs | {"optim_bits": 32})
-    return probe.state_bytes([tuple(t.shape) for t, p in held if id(p) not in embeddings]) + full.state_bytes(
-        [tuple(t.shape) for t, p in held if id(p) in embeddings]
-    )
+    return sum(probe.state_bytes(shapes) for probe, shapes in _probes(training, opt, inner, embeddings))
 
 
 def _no_sync(opt, runner, last: bool):
