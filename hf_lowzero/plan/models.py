@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+# Config fields of attention dropout in transformers' models (GPT-2, BERT/RoBERTa, Llama/Mistral/Qwen, ...).
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout", "attn_dropout")
 # Heads the plan knows how to feed, in the order a config without ``architectures`` is tried.
 _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
 
@@ -64,6 +67,14 @@ class ModelSpec:
             f"cannot plan for a {type(source).__name__}; pass a model directory, a config.json path, a "
             "transformers PretrainedConfig or PreTrainedModel, or a PEFT model"
         )
+
+    def as_on_gpu(self) -> ModelSpec:
+        """This spec with attention dropout off ([Note: attention on the GPU] in simulate.py)."""
+        config = copy.deepcopy(self.config)
+        for name in _ATTENTION_DROPOUT:
+            if isinstance(getattr(config, name, None), float):
+                setattr(config, name, 0.0)
+        return ModelSpec(config, self.model_class, self.lora_r, self.lora_targets, self.name)
 
     def build(self, dtype: torch.dtype, gradient_checkpointing: bool = False, checkpointing_kwargs=None) -> nn.Module:
         """The model in ``dtype`` (with its LoRA adapter), as the Trainer would train it. Under an

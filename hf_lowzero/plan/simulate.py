@@ -32,6 +32,12 @@ Example::
 #   buffers of the uneven exchanges' sizes from the first step on (``buffers.py`` keeps the largest
 #   it was asked for), so the first step runs whole there too; measured, skipping it put the peak
 #   12% low.
+# - [Note: attention on the GPU] The fake tensors are CPU tensors, so
+#   ``scaled_dot_product_attention`` picks the CPU's kernel: with attention dropout that is the
+#   math path, which keeps fp32 S x S scores, dropout mask and softmax per layer. On a GPU it is
+#   flash or memory-efficient attention, which keeps none of them (the dropout mask is regenerated
+#   from a seed). A plan for GPUs therefore simulates with attention dropout off, where the CPU takes
+#   its flash kernel: the GPU's memory. Models with eager attention (T5) keep the scores either way.
 # - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
 """
@@ -168,6 +174,8 @@ def simulate_step(
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
+            if backend == "nccl":
+                spec = spec.as_on_gpu()  # [Note: attention on the GPU]
             with _fake_world(world_size, rank), comm.fake_group_stands_for(backend), FakeTensorMode():
                 return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model)
         if not dist.is_initialized() or dist.get_world_size() != world_size:
