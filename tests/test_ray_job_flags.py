@@ -25,6 +25,13 @@ def test_finetune_flags_map_onto_the_config(monkeypatch):
     assert (config.offload_optimizer, config.zero_stage, config.num_workers) == (True, 1, 3)
     with pytest.raises(ValueError, match="zero_stage=3 is invalid"):
         parse_args(["--zero-stage", "3"])
+    config = parse_args(["--zero-stage", "auto", "--zero-device-memory", "40GiB"])[2]
+    args = config.training_arguments("out", world_size=2)
+    assert (config.zero_stage, config.snapshots, args.zero_stage, args.zero_device_memory) == (
+        "auto", "auto", "auto", "40GiB"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="zero_device_memory='lots' is invalid"):
+        parse_args(["--zero-stage", "auto", "--zero-device-memory", "lots"])
     config = parse_args(["--optim", "adafactor", "--zero-partition", "params"])[2]
     args = config.training_arguments("out", world_size=2)
     assert (args.optim, args.to_zero_config().partition) == ("adafactor", "params")

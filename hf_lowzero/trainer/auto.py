@@ -56,6 +56,8 @@ def resolve_auto_stage(args, model, train_dataset=None) -> MemoryPlan:
         args.zero_offload_optimizer = best.offload
     if args.auto_find_batch_size and best.max_batch_size > 0:
         args.per_device_train_batch_size = best.max_batch_size
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return plan  # one line per run, not per rank
     logger.warning(
         "zero_stage=auto: %s, peak %s of %s usable per device, sends %s per step%s (%s)",
         best.label,
