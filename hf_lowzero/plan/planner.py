@@ -26,10 +26,13 @@ Example::
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch.distributed as dist
 
 from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
@@ -147,6 +150,13 @@ def plan_memory(
     capacity = parse_bytes(device_memory, "device_memory")
     host = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
     spec = ModelSpec.from_source(model_or_config, lora_r=lora_r, lora_targets=lora_targets)
+    if dist.is_available() and dist.is_initialized():
+        # The simulation needs a process without a process group (it makes a fake one): plan in a
+        # fresh one, from the spec (a config, not the weights).
+        options = dict(world_size=world_size, device_memory=capacity, seq_len=seq_len, host_memory=host)
+        options |= dict(ref_model=ref_model, reserve=reserve, backend=backend)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(plan_memory, (spec, args), options)
     training = TrainingSpec.from_args(args if args is not None else _default_args())
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r} is invalid; expected tokens per sample (>= 1)")

@@ -150,6 +150,7 @@ class StepMemory:
     partition: str
     rank: int
     owned_numel: list[int] = field(default_factory=list)  # per rank, with whole-param ownership
+    allocator_peak: int | None = None  # a real step on a GPU: torch.cuda.max_memory_allocated over it
 
 
 def simulate_step(
@@ -238,6 +239,9 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         step = _Step(setup, training, runner, opt, inner)
         step.warm_up(fake, batch, reference)  # [Note: steady state]
         tracker.reset_peak()
+        if device is not None:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         sent_before = sum(comm.comm_stats.sent_bytes.values())
         step.forward_backward(batch, reference, device)
         grads_at_peak = tracker.peak_snapshot().get("Gradient", 0)
@@ -245,6 +249,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         step.update(fake)
         sent = sum(comm.comm_stats.sent_bytes.values()) - sent_before
     peak = tracker.peak_on(device) if device is not None else tracker.peak_total()
+    allocator_peak = torch.cuda.max_memory_allocated(device) if device is not None else None
     state = _optimizer_state_bytes(opt, inner, training, stand_in, embeddings)
     if stand_in:
         peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
@@ -288,6 +293,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         partition=partition,
         rank=rank,
         owned_numel=_owned_numel(opt, world_size) if partition == "params" else [],
+        allocator_peak=allocator_peak,
     )
 
 

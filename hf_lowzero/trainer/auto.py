@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 
 import torch
@@ -91,15 +90,11 @@ def _seq_len(train_dataset, spec: ModelSpec) -> int | None:
 
 
 def _plan_once(request: dict) -> MemoryPlan:
-    """The plan, made once: in this process when no process group exists yet, else by rank 0 in a
-    fresh process (the simulation needs a process without one) and sent to every rank, so that all
-    ranks take the same setup."""
-    if not dist.is_initialized():
+    """The plan, made once: by rank 0 and sent to every rank when a process group exists, so that
+    all ranks take the same setup (``plan_memory`` then plans in a fresh process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return _plan(request)
-    box = [None]
-    if dist.get_rank() == 0:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            box[0] = pool.apply(_plan, (request,))
+    box = [_plan(request) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
