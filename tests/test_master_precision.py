@@ -245,6 +245,7 @@ def checkpoint_body(rank, world_size, tmp):
         assert torch.equal(p, q), name  # bf16 params are the masters cast down either way
 
 
+@pytest.mark.slow  # the second tier: keeps the fast one under 10 minutes
 def test_bf16_master_checkpoints_resume_and_convert(tmp_path):
     run_distributed(checkpoint_body, 2, tmp=str(tmp_path))
 
@@ -269,6 +270,7 @@ def offload_body(rank, world_size):
     assert moved > 0
 
 
+@pytest.mark.slow  # the second tier: keeps the fast one under 10 minutes
 def test_offloaded_bf16_masters_match_the_device_run():
     run_distributed(offload_body, 2)
 
@@ -316,5 +318,6 @@ def trainer_body(rank, world_size, tmp):
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow  # the second tier: keeps the fast one under 10 minutes
 def test_trainer_takes_bf16_masters_from_zero_config_and_resumes_exactly(tmp_path):
     run_distributed(trainer_body, 2, tmp=str(tmp_path))

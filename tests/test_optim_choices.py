@@ -107,6 +107,7 @@ def test_torch_and_transformers_optimizers(tmp_path, optims):
     run_distributed(body, 2, out=tmp_path, optims=optims)
 
 
+@pytest.mark.slow  # 10-15 s each (torchao compiles its step): the second tier keeps the fast one under 10 min
 @pytest.mark.parametrize("package", ["torchao", "bitsandbytes", "schedulefree"])
 def test_optional_package_optimizers(tmp_path, package):
     pytest.importorskip(package, reason=f"--optim choices of {package} need it installed (pip install -e .[test])")
