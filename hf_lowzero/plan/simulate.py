@@ -236,14 +236,14 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
             elif world_size > 1:
                 ddp_buckets = storage_bytes(trainable)  # [Note: what the simulation leaves out]
         batch = spec.batch(batch_size, seq_len, device or "cpu")
-        step = _Step(setup, training, runner, opt, inner)
+        step = _Step(setup, training, runner, opt, inner, device)
         step.warm_up(fake, batch, reference)  # [Note: steady state]
         tracker.reset_peak()
         if device is not None:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         sent_before = sum(comm.comm_stats.sent_bytes.values())
-        step.forward_backward(batch, reference, device)
+        step.forward_backward(batch, reference)
         grads_at_peak = tracker.peak_snapshot().get("Gradient", 0)
         all_grads = storage_bytes(p.grad for p in trainable if p.grad is not None)
         step.update(fake)
@@ -267,12 +267,10 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         master = storage_bytes([opt.master.flat])
         grad_store = storage_bytes(opt.reducer.store.tensors())
         buffers = storage_bytes(opt.reducer.pool.tensors())
-        gradients_persistent = grad_store
     else:
         master, grad_store, buffers = 0, 0, ddp_buckets
-        gradients_persistent = 0
     host = master + state + grad_store if setup.offload else 0
-    gradients = gradients_persistent + grads_at_peak
+    gradients = grad_store + grads_at_peak
     device_peak = peak - host if device is None else peak  # on CPU the host parts share the tracker's device
     on_device = {
         "params": params,
@@ -309,14 +307,15 @@ class _Step:
     """One training step as the Trainer runs it: micro-batches with the last one synchronizing,
     then the update (ZeRO's, or the inner optimizer's under DDP)."""
 
-    def __init__(self, setup: Setup, training: TrainingSpec, runner: nn.Module, opt, inner) -> None:
+    def __init__(self, setup: Setup, training: TrainingSpec, runner: nn.Module, opt, inner, device) -> None:
         self.setup, self.training, self.runner, self.opt, self.inner = setup, training, runner, opt, inner
+        self.device = device  # of a real step on a GPU (autocast's device type); None on CPU
 
     def warm_up(self, fake: bool, batch, reference) -> None:
         """Bring the run to the state every later step starts from ([Note: steady state])."""
         whole_params = self.opt is not None and self.opt.partition == "params"
         if not fake or whole_params:
-            self.forward_backward(batch, reference, None)
+            self.forward_backward(batch, reference)
             self.update(fake)
         elif self.opt is not None:
             self.update(fake)
@@ -326,14 +325,14 @@ class _Step:
                     p.grad = torch.zeros_like(p)
             self.update(fake)
 
-    def forward_backward(self, batch, reference, device) -> None:
+    def forward_backward(self, batch, reference) -> None:
         steps = self.training.gradient_accumulation_steps
         for micro in range(steps):
             with _no_sync(self.opt, self.runner, last=micro == steps - 1):
                 if reference is not None:
                     with torch.no_grad():
                         reference(**batch)
-                with _autocast(self.setup, self.training.dtype, device):
+                with _autocast(self.setup, self.training.dtype, self.device):
                     loss = self.runner(**batch).loss / steps
                 if self.opt is not None:
                     self.opt.backward(loss)
