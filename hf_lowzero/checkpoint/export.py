@@ -101,14 +101,16 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:
         rows = view.row_state(pos)
         entry = dict(view.scalar_state(pos))
         for key in sorted(rows):
-            value = rows[key]
-            out = torch.empty(view.world_size * shard.shard_numel, dtype=value.dtype, device=value.device)
+            # Gathered on the params' device: with offload the rows live in host memory, which NCCL
+            # cannot send.
+            value = rows[key].to(view.device)
+            out = torch.empty(view.world_size * shard.shard_numel, dtype=value.dtype, device=view.device)
             comm.all_gather(out, value.contiguous(), view.process_group)
             entry[key] = out[: shard.numel].view(view.params[pos].shape).cpu()
         if entry:
             state[pos] = entry
     if any(shard.whole for shard in view.shards):
-        parts = comm.gather_object(owned, view.process_group)  # on rank 0 only
+        parts = comm.gather_object(owned, view.process_group, view.device)  # on rank 0 only
         for part in parts or ():
             state.update(part)
         state = dict(sorted(state.items()))

@@ -56,7 +56,7 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
         staged = _stage(view, extras, reader, meta)
     except CheckpointError as e:
         error = str(e)
-    errors = [e for e in comm.all_gather_object(error, view.process_group) if e is not None]
+    errors = [e for e in comm.all_gather_object(error, view.process_group, view.device) if e is not None]
     if errors:
         unique = list(dict.fromkeys(errors))
         raise CheckpointError("cannot load checkpoint; nothing was changed: " + " | ".join(unique))

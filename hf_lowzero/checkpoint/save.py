@@ -65,7 +65,7 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
         if partial.exists():
             shutil.rmtree(partial)  # left by an earlier crashed save
         partial.mkdir(parents=True)
-    comm.barrier(group)
+    comm.barrier(group, view.device)
     partial.mkdir(parents=True, exist_ok=True)  # ranks on other nodes without a shared filesystem
 
     extras = unsharded_state(opt.model, view.params, view.names)
@@ -80,20 +80,20 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
         os._exit(17)
 
     # A whole param's state is described by its owner, the only rank holding it.
-    gathered = comm.all_gather_object((own_file.stat().st_size, records), group)
+    gathered = comm.all_gather_object((own_file.stat().st_size, records), group, view.device)
     if view.rank == 0:
         sizes = [size for size, _ in gathered]
         described = {name: record for _, ranks_records in gathered for name, record in ranks_records.items()}
         extras_size = (partial / EXTRAS_FILE).stat().st_size if model_extras else None
         meta = checkpoint_metadata(view, described, extras, sizes, extras_size)
         atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
-    comm.barrier(group)
+    comm.barrier(group, view.device)
     if view.rank == 0:
         _replace_dir(partial, path)
-    comm.barrier(group)
+    comm.barrier(group, view.device)
     if partial.exists():  # not a shared filesystem: this rank's own copy holds its shard
         _replace_dir(partial, path)
-    comm.barrier(group)
+    comm.barrier(group, view.device)
     return path
 
 

@@ -42,6 +42,7 @@ class ShardView:
     world_size: int
     rank: int
     process_group: Any
+    device: torch.device  # the params' device: where collectives run ([Note: the params' device])
 
     @classmethod
     def of(cls, opt: LowLevelZeroOptimizer) -> ShardView:
@@ -56,6 +57,7 @@ class ShardView:
             world_size=opt.world_size,
             rank=opt.rank,
             process_group=opt.process_group,
+            device=opt.device,
         )
 
     @property

@@ -13,10 +13,11 @@ Example::
 # from that copy, so the next step runs while the previous snapshot is still being encoded from the
 # other buffer. ``stage()`` waits only when both buffers are still being encoded (a snapshot asked
 # for before the one two snapshots back finished encoding); the caller's timing of ``stage()`` counts it.
-# On CUDA the copy itself is asynchronous: it runs on a side stream into pinned buffers, after the
-# step's kernels, while the next forward and backward run; the next optimizer step (the first
-# kernel that writes the copied tensors) waits for it through a step pre-hook, and the encoder
-# waits for the copy's event before it reads the buffer.
+# On CUDA the copy itself is asynchronous: it runs on a side stream of the params' device into
+# pinned buffers, after the step's kernels, while the next forward and backward run; every later
+# writer of the copied tensors (the next step, a train()/eval() switch, a load) waits for it at the
+# optimizer's gate ([Note: one gate for the shard's writers] in ``zero/write_gate.py``), and the
+# encoder waits for the copy's event before it reads the buffer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hf_lowzero.checkpoint.layout import extra_key
 from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_tensors
 from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
 from hf_lowzero.snapshot.format import Piece, encode_piece
+from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.params import canonical_name
 
 if TYPE_CHECKING:
@@ -46,15 +48,14 @@ class Staged:
     shard: dict[str, torch.Tensor]
     extras: dict[str, torch.Tensor]
     manifest: dict[str, Any]
-    copied: torch.cuda.Event | None
+    copied: Any  # the copy's CUDA event, or None (copied synchronously)
     release: Callable[[], None]
 
     def encode(self, **manifest_fields: Any) -> Piece:
         """The piece (see ``format.encode_piece``), with ``manifest_fields`` added to its manifest;
         frees the buffer."""
         try:
-            if self.copied is not None:
-                self.copied.synchronize()
+            dev.host_waits(self.copied)
             return encode_piece(self.shard, self.extras, {**self.manifest, **manifest_fields})
         finally:
             self.release()
@@ -70,9 +71,7 @@ class ShardStager:
         for free in self._free:
             free.set()
         self._next = 0
-        self._stream: torch.cuda.Stream | None = None
-        self._pending_copy: torch.cuda.Event | None = None
-        self._hook = opt.register_step_pre_hook(self._before_step)
+        self._stream = None  # a side stream of the params' device, made at the first CUDA copy
 
     def stage(self, step: int) -> Staged:
         """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged."""
@@ -92,33 +91,31 @@ class ShardStager:
         return Staged(buffers, extras, manifest, copied, self._free[i].set)
 
     def close(self) -> None:
-        """Stop gating the optimizer's steps and drop the buffers."""
+        """Wait for the buffers' encoders and drop the buffers."""
         for free in self._free:
             free.wait()
-        self._hook.remove()
         self._buffers = [None, None]
 
-    def _copy(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        if not any(t.is_cuda for t in tensors.values()):
+    def _copy(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+        """Copy ``tensors`` into ``buffers``: on CUDA on a side stream (returns the copy's event),
+        otherwise right away (returns None)."""
+        on_device = [t for t in tensors.values() if t.device.type == "cuda"]
+        if not on_device:
             for key, t in tensors.items():
                 buffers[key].copy_(t)
             return None
+        device = on_device[0].device  # the params' device ([Note: the params' device])
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())  # after the step's kernels
-        with torch.cuda.stream(self._stream):
+            self._stream = dev.side_stream(device)
+        dev.stream_waits_stream(self._stream, dev.current_stream(device))  # after the step's kernels
+        with dev.on_stream(self._stream):
             for key, t in tensors.items():
                 buffers[key].copy_(t, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(self._stream)
-        self._pending_copy = copied
+        for t in on_device:
+            dev.keep_alive(t, self._stream)  # a load may replace a state tensor while it is copied
+        copied = dev.record_event(self._stream)
+        self.opt.register_shard_reader(copied)  # the next writer of these tensors waits for the copy
         return copied
-
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        # The step writes the tensors the side stream may still be reading ([Note: double buffer]).
-        if self._pending_copy is not None:
-            torch.cuda.current_stream().wait_event(self._pending_copy)
-            self._pending_copy = None
 
 
 def _rank0_metadata(view: ShardView, model: torch.nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -137,4 +134,4 @@ def _layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    return dev.host_buffer(t.numel(), t.dtype, pin=t.is_cuda, zero=False).view(t.shape)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.memory import same_memory
 
 ProcessGroup = dist.ProcessGroup
@@ -130,9 +131,16 @@ _FAKE_STANDS_FOR = {"name": "nccl"}
 
 
 def backend(group: ProcessGroup | None) -> str:
-    """``group``'s backend; for the fake process group of a memory plan, the one it stands for."""
+    """``group``'s backend; for the fake process group of a memory plan, or a simulated group
+    (``hf_lowzero.simulation``: its ``stands_for``), the backend it stands for."""
     name = dist.get_backend(group)
-    return _FAKE_STANDS_FOR["name"] if name == "fake" else name
+    if name == "fake":
+        return _FAKE_STANDS_FOR["name"]
+    return getattr(_process_group(group), "stands_for", None) or name
+
+
+def _process_group(group: ProcessGroup | None) -> ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
 @contextlib.contextmanager
@@ -283,23 +291,42 @@ def gather_from_owners(
     return _settle(_Exchange(works), async_op)
 
 
-def barrier(group: ProcessGroup | None) -> None:
-    dist.barrier(group=group)
+# [Note: the params' device] (device.py): NCCL runs barriers and object collectives on the current
+# CUDA device unless told otherwise, so these take the params' device and name it.
 
 
-def all_gather_object(obj, group: ProcessGroup | None) -> list:
-    """Every rank's small picklable ``obj`` (e.g. a validation verdict), in rank order."""
+def barrier(group: ProcessGroup | None, device: torch.device | None = None) -> None:
+    """Wait for every rank of ``group``; with NCCL on ``device`` (the params' device)."""
+    if backend(group) == "nccl" and dev.is_cuda(device):
+        dist.barrier(group=group, device_ids=[torch.device(device).index or 0])
+    else:
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj, group: ProcessGroup | None, device: torch.device | None = None) -> list:
+    """Every rank's small picklable ``obj`` (e.g. a validation verdict), in rank order; with NCCL
+    through ``device`` (the params' device)."""
+    simulated = getattr(_process_group(group), "object_collective", None)
+    if simulated is not None:  # a simulation moves no data ([Note: what a simulation runs])
+        return simulated("all_gather_object", obj, device)
     out = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with dev.on_device(device if backend(group) == "nccl" else None):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def gather_object(obj, group: ProcessGroup | None) -> list | None:
-    """Every rank's picklable ``obj``, in rank order, on rank 0 of ``group`` (None elsewhere)."""
+def gather_object(obj, group: ProcessGroup | None, device: torch.device | None = None) -> list | None:
+    """Every rank's picklable ``obj``, in rank order, on rank 0 of ``group`` (None elsewhere); with
+    NCCL through ``device`` (the params' device)."""
     rank = group_rank(group)
+    simulated = getattr(_process_group(group), "object_collective", None)
+    if simulated is not None:
+        gathered = simulated("gather_object", obj, device)
+        return gathered if rank == 0 else None
     out = [None] * group_size(group) if rank == 0 else None
     dst = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.gather_object(obj, out, dst=dst, group=group)
+    with dev.on_device(device if backend(group) == "nccl" else None):
+        dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
 

@@ -14,8 +14,9 @@ Example::
 
 # [Note: host copies]
 # With offload on CUDA, a bucket's reduced chunk is copied to pinned host memory on a side stream
-# that first waits for an event recorded on the compute stream after the collective (so the copy
-# never reads a chunk still being reduced), while backward goes on. The chunk's allocation is
+# that first waits for an event recorded on the params' device's compute stream after the
+# collective (so the copy never reads a chunk still being reduced; [Note: the params' device] in
+# ``device.py``), while backward goes on. The chunk's allocation is
 # tied to the copy stream (``record_stream``), so the caching allocator cannot reuse it before
 # the copy is done. Every copy records a completion event, and nothing reads (or rewrites) a
 # staging buffer or a host chunk before that event completed: ``chunk()``, the next ``accept`` of
@@ -27,17 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.layout import bucket_view, piece_view
 from hf_lowzero.zero.memory import same_memory
 from hf_lowzero.zero.params import ParamSlot
 
 GRAD_DTYPE = torch.float32  # gradient rows, whatever the params' and the masters' dtype
-
-
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed host tensor, page-locked when ``pin`` (for async copies to and from CUDA)."""
-    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
 
 
 class DeviceGradStore:
@@ -84,8 +81,8 @@ class HostGradStore(DeviceGradStore):
     def __init__(self, buckets: list[Bucket], device: torch.device, pin_memory: bool) -> None:
         self.device = device
         self.pin = pin_memory and device.type == "cuda"
-        self.flat = host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.flat = dev.host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
+        self.stream = dev.side_stream(device)  # None on CPU
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> host buffer in the comm dtype
         self._pending: dict[int, tuple] = {}  # bucket index -> (host chunk, staging or None, event or None, first)
 
@@ -105,20 +102,18 @@ class HostGradStore(DeviceGradStore):
         if self.stream is None:
             target.copy_(reduced)
         else:
-            ready = torch.cuda.Event()
-            ready.record()  # on the compute stream, after the collective's wait
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(ready)
+            # After the collective's wait, on the params' device ([Note: host copies]).
+            dev.stream_waits(self.stream, dev.record_event(dev.current_stream(self.device)))
+            with dev.on_stream(self.stream):
                 target.copy_(reduced, non_blocking=True)
-                reduced.record_stream(self.stream)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+            dev.keep_alive(reduced, self.stream)
+            event = dev.record_event(self.stream)
         self._pending[bucket.index] = (chunk, None if direct else target, event, first)
 
     def _staging_for(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
         staging = self._staging.get(bucket.index)
         if staging is None or staging.dtype != dtype:
-            staging = host_buffer(bucket.row_numel, dtype, self.pin)
+            staging = dev.host_buffer(bucket.row_numel, dtype, self.pin)
             self._staging[bucket.index] = staging
         return staging
 
@@ -127,8 +122,7 @@ class HostGradStore(DeviceGradStore):
         if entry is None:
             return
         chunk, staging, event, first = entry
-        if event is not None:
-            event.synchronize()  # [Note: host copies]: never read before the copy completed
+        dev.host_waits(event)  # [Note: host copies]: never read before the copy completed
         if staging is not None:
             chunk.copy_(staging) if first else chunk.add_(staging)
 
@@ -139,8 +133,7 @@ class HostGradStore(DeviceGradStore):
     def clear(self) -> None:
         for index in list(self._pending):
             _, _, event, _ = self._pending.pop(index)
-            if event is not None:
-                event.synchronize()  # the staging buffer may be written again only after the copy
+            dev.host_waits(event)  # the staging buffer may be written again only after the copy
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.flat, *self._staging.values()]

@@ -22,6 +22,9 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # (benchmarks/offload.py measures it); used when the user left the kernel choice open.
 FUSED_ON_CPU: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
+# Group keys that choose a kernel, not a hyperparameter: they follow where the step runs (host rows
+# with offload, the device otherwise), so a checkpoint never brings them back (``shard_state.py``).
+KERNEL_CHOICES: tuple[str, ...] = ("fused", "foreach", "capturable")
 
 
 def partition_for(optimizer: torch.optim.Optimizer, partition: str, allow_untested: bool) -> str:
@@ -133,19 +136,16 @@ def carry_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, master_of: di
             manager.index2config[position[id(master)]] = config
 
 
-def check_inner_optimizer(optimizer: object) -> None:
+def check_fresh_optimizer(optimizer: object) -> None:
     """Raise a clear error unless ``optimizer`` is a fresh ``torch.optim.Optimizer`` (which way it
-    can own state is ``choose_partition``'s question).
+    can own state is ``choose_partition``'s question; ``optimizer.check_inner_optimizer`` also
+    refuses a ZeRO optimizer).
 
     Example::
 
-        >>> check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+        >>> check_fresh_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
     """
-    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer  # the class that calls this
-
     cls = type(optimizer)
-    if isinstance(optimizer, LowLevelZeroOptimizer):
-        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer instance, got {cls.__name__}")
     if has_taken_steps(optimizer):

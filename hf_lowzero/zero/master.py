@@ -20,11 +20,12 @@ import torch
 from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
+from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.grad_store import host_buffer
 from hf_lowzero.zero.layout import bucket_view, piece_view, unpack_bucket, unpack_targets
 from hf_lowzero.zero.params import ParamSlot
+from hf_lowzero.zero.write_gate import WriteGate
 
 MAX_GATHERS_IN_FLIGHT = 2  # bounds the transient all-gather buffers
 
@@ -58,11 +59,14 @@ class MasterRows:
         self.slots, self.buckets = slots, buckets
         self.rank, self.world_size, self.group = rank, world_size, group
         self.pool = pool
+        self.device = device
         total = sum(b.row_numel for b in buckets)
         if offload:
-            self.flat = host_buffer(total, dtype, pin_memory and device.type == "cuda")
+            self.flat = dev.host_buffer(total, dtype, pin_memory and device.type == "cuda")
         else:
             self.flat = torch.zeros(total, dtype=dtype, device=device)
+        # Every writer of the rows (and of the optimizer state beside them) passes this gate first.
+        self.gate = WriteGate(device, host_resident=offload)
         self.rows = [piece_view(self.flat, s) for s in slots]
         self._unpack_targets = [unpack_targets(b, world_size) for b in buckets]  # views of the params, made once
         self.copy_from_params()
@@ -73,6 +77,7 @@ class MasterRows:
     @torch.no_grad()
     def copy_from_params(self) -> None:
         """Re-read every row from the model's params (this rank's slice of each). Local."""
+        self.gate.before_write()
         for slot, row in zip(self.slots, self.rows):
             start, end = slot.shard.owned_range(self.rank)
             row[: end - start].copy_(slot.param.view(-1)[start:end])
@@ -81,7 +86,8 @@ class MasterRows:
     def copy_to_params(self) -> None:
         """All-gather the rows back into the model's params, bucket by bucket, in the params'
         dtype. Collective. Offloaded rows go to the device first (from pinned memory: async,
-        ordered before the all-gather on the same stream)."""
+        ordered before the all-gather on the same stream; until they are done, writers of the rows
+        wait at the gate: [Note: one gate for the shard's writers])."""
         in_flight: list[Gather] = []
 
         def finish(gather: Gather) -> None:
@@ -115,3 +121,5 @@ class MasterRows:
                 finish(in_flight.pop(0))
         for gather in in_flight:
             finish(gather)
+        if self.flat.device != self.device:  # host rows were read by copies on the device's stream
+            self.gate.read_by(dev.record_event(dev.current_stream(self.device)))

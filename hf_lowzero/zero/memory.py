@@ -11,12 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 
 
 def is_packed(value: object) -> bool:
@@ -70,6 +66,9 @@ class MemoryReport:
     ``model_state_bytes`` is the ZeRO paper's "model states": params + gradients + optimizer
     states (master rows included), without scratch. ``by_device`` splits all of it by device: with
     ``offload_optimizer`` the master rows, optimizer state and gradient rows sit on ``"cpu"``.
+    ``pinned`` is the part of the host bytes that is page-locked (offload with CUDA params: the
+    master rows, gradient rows and staging buffers), in whole pages, as the OS counts it
+    ([Note: exact pinned memory] in ``device.py``).
     """
 
     params: int
@@ -80,14 +79,16 @@ class MemoryReport:
     buffers: int
     comm_buffers: int = 0
     by_device: dict[str, int] = field(default_factory=dict)
+    pinned: int = 0
 
     @classmethod
-    def measure(cls, **parts: Counter) -> MemoryReport:
-        """A report from per-device byte counts of each part (the field names)."""
+    def measure(cls, pinned: int = 0, **parts: Counter) -> MemoryReport:
+        """A report from per-device byte counts of each part (the field names) and the pinned bytes."""
         total: Counter = Counter()
         for placed in parts.values():
             total.update(placed)
-        return cls(**{name: sum(placed.values()) for name, placed in parts.items()}, by_device=dict(total))
+        sizes = {name: sum(placed.values()) for name, placed in parts.items()}
+        return cls(**sizes, by_device=dict(total), pinned=pinned)
 
     @property
     def model_state_bytes(self) -> int:
@@ -98,18 +99,3 @@ class MemoryReport:
         sizes["model_state_bytes"] = self.model_state_bytes
         sizes |= {f"on {device}": nbytes for device, nbytes in self.by_device.items()}
         return {k: round(v / 2**20, 3) for k, v in sizes.items()}
-
-
-def optimizer_memory(opt: LowLevelZeroOptimizer) -> MemoryReport:
-    """What ``opt.memory_report()`` returns: the bytes of each part ``opt`` and its model hold."""
-    managed = {id(slot.param) for slot in opt.slots}
-    state = (v for entry in opt.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
-    return MemoryReport.measure(
-        params=bytes_by_device(opt.model.parameters()),
-        grads=bytes_by_device(p.grad for p in opt.model.parameters() if id(p) in managed and p.grad is not None),
-        grad_buffers=opt.reducer.buffer_bytes(),
-        master_rows=bytes_by_device([opt.master.flat]),
-        optimizer_state=bytes_by_device(state),
-        buffers=bytes_by_device(opt.model.buffers()),
-        comm_buffers=bytes_by_device(opt.reducer.pool.tensors()),
-    )

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from hf_lowzero.zero import comm
+from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.adopt import adopt_inner_optimizer, held_piece
 from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
@@ -41,16 +42,31 @@ from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_store import make_grad_store
 from hf_lowzero.zero.groups import HOOK_TABLES, ParamGroups
-from hf_lowzero.zero.inner import check_inner_optimizer, partition_for, prefer_fused_on_cpu
+from hf_lowzero.zero.inner import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
 from hf_lowzero.zero.layout import holding_any
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.master_precision import make_master_precision
-from hf_lowzero.zero.memory import MemoryReport, optimizer_memory
+from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
 from hf_lowzero.zero.params import WrapGuard, managed_slots
 from hf_lowzero.zero.reducer import BucketReducer
-from hf_lowzero.zero.shard_state import load_shard_state, shard_state_dict
-from hf_lowzero.zero.step import UnusedMask, count_skipped_step, global_norm_and_usage, scale_rows, unscale_clip_coef
+from hf_lowzero.zero.shard_state import ShardParts, load_shard_state, shard_state_dict
+from hf_lowzero.zero.step import (
+    SkipCounts,
+    UnusedMask,
+    count_skipped_step,
+    global_norm_and_usage,
+    scale_rows,
+    unscale_clip_coef,
+)
+
+
+def check_inner_optimizer(optimizer: object) -> None:
+    """Raise a clear error unless ``optimizer`` is a fresh torch optimizer that is not itself a
+    ``LowLevelZeroOptimizer`` (see ``inner.check_fresh_optimizer``)."""
+    if isinstance(optimizer, LowLevelZeroOptimizer):
+        raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
+    check_fresh_optimizer(optimizer)
 
 
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
@@ -123,8 +139,21 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._groups.freeze_sizes()
 
         self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
+        self.counts = SkipCounts()
+        self._shard = ShardParts(
+            slot_at=self._slot_at,
+            held=self._inner_params,
+            master_rows=self.master.rows,
+            optim=optimizer,
+            groups=self._groups,
+            scaler=self.scaler,
+            counts=self.counts,
+            gate=self.master.gate,
+            stage=self.config.stage,
+            partition=self.partition,
+            world_size=self.world_size,
+            rank=self.rank,
+        )
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
         self._pending_norm = None  # (grad_version, reduced chunks, scaled norm, used flags) of this step
@@ -181,15 +210,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch's format, plus master rows, loss scaler and counters
         (``shard_state.py``). Local and cheap: no communication, no copies."""
-        return shard_state_dict(self)
+        return shard_state_dict(self._shard)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's shard from :meth:`state_dict` of the same rank and world size.
 
         Validated before anything changes. Local: the model's params are not touched (restore
-        them as with any torch optimizer, or call :meth:`copy_master_to_params`).
+        them as with any torch optimizer, or call :meth:`copy_master_to_params`). Kernel choices
+        (``fused``, ``foreach``, ``capturable``) stay this optimizer's own.
         """
-        load_shard_state(self, state_dict)
+        load_shard_state(self._shard, state_dict)
 
     def train(self) -> None:
         """Schedule-free optimizers: switch the inner optimizer to its training point and write it
@@ -204,6 +234,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _switch_mode(self, mode: str) -> None:
         switch = getattr(self.optim, mode, None)
         if callable(switch):
+            self.master.gate.before_write()  # [Note: one gate for the shard's writers]
             with self._precision.stepping():
                 switch()  # moves the masters this rank holds
             self.copy_master_to_params()
@@ -225,6 +256,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Write the master rows back into the model's params (all-gather, bucketed, in the
         params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it."""
         self.master.copy_to_params()
+
+    def register_shard_reader(self, event) -> None:
+        """An asynchronous copy of this rank's shard (master rows, optimizer state) completes with
+        ``event`` (a CUDA event; None for a synchronous copy): every later write of the shard
+        (a step, ``train()``/``eval()``, ``copy_params_to_master``, ``load_state_dict``) waits for
+        it first ([Note: one gate for the shard's writers] in ``write_gate.py``)."""
+        self.master.gate.read_by(event)
 
     def copy_params_to_master(self) -> None:
         """Re-read this rank's master rows from the model's params. Local.
@@ -308,14 +346,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         with record_function("hf_lowzero::grad_norm"):
             reduced, scaled_norm, used = self._norm_and_usage()
         if not math.isfinite(scaled_norm):
-            self.last_step_applied = count_skipped_step(self)
+            self.last_step_applied = False
+            self.zero_grad()
+            count_skipped_step(self.counts, self.scaler, self.config)
             return False
 
         # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
         scale_rows(reduced, unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale))
         self._update(used)
         self.scaler.update(overflow=False)
-        self.consecutive_skips = 0
+        self.counts.consecutive = 0
         self._forget_gradients()  # every p.grad was consumed by the flush
         self.last_step_applied = True
         return True
@@ -329,6 +369,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if used is not None:
             self._unused_mask.apply(used)
         self._groups.sync()
+        self.master.gate.before_write()  # [Note: one gate for the shard's writers]
         with record_function("hf_lowzero::inner_step"), self._precision.stepping():
             self.optim.step()
         with record_function("hf_lowzero::copy_master_to_params"):
@@ -354,6 +395,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return self._pending_norm[1:]
 
     @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because some rank's gradients were not finite."""
+        return self.counts.skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Steps skipped in a row up to now."""
+        return self.counts.consecutive
+
+    @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 unless the params are fp16)."""
         return self.scaler.scale
@@ -367,4 +418,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds right now, per part and per device, measured from the live tensors."""
-        return optimizer_memory(self)
+        managed = {id(slot.param) for slot in self.slots}
+        state = [v for entry in self.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+        host = [self.master.flat, *self.reducer.store.tensors(), *state]
+        return MemoryReport.measure(
+            params=bytes_by_device(self.model.parameters()),
+            grads=bytes_by_device(p.grad for p in self.model.parameters() if id(p) in managed and p.grad is not None),
+            grad_buffers=self.reducer.buffer_bytes(),
+            master_rows=bytes_by_device([self.master.flat]),
+            optimizer_state=bytes_by_device(state),
+            buffers=bytes_by_device(self.model.buffers()),
+            comm_buffers=bytes_by_device(self.reducer.pool.tensors()),
+            pinned=dev.pinned_bytes(host),
+        )

@@ -21,23 +21,50 @@ inner optimizer keeps, in their own shapes, and the other positions' rows are em
 Like ``torch.optim.Optimizer.state_dict()``, the tensors are references to the live state: copy or
 save them before training on.
 
+Which kernel an optimizer runs (``fused``, ``foreach``, ``capturable``: ``inner.KERNEL_CHOICES``)
+is saved with the groups but never restored: it belongs to where this optimizer steps (a GPU run's
+checkpoint resumed with offload keeps the fused host kernel; ``capturable=True`` from a GPU run
+would break a host step), so loading keeps the loading optimizer's own choice.
+
 Example::
 
-    saved = shard_state_dict(opt)        # what opt.state_dict() returns
-    load_shard_state(opt, saved)         # what opt.load_state_dict(saved) does
+    saved = shard_state_dict(parts)      # what opt.state_dict() returns
+    load_shard_state(parts, saved)       # what opt.load_state_dict(saved) does
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS
+from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
+from hf_lowzero.zero.inner import KERNEL_CHOICES
+from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
+from hf_lowzero.zero.params import ParamSlot
 from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.step import SkipCounts
+from hf_lowzero.zero.write_gate import WriteGate
 
-if TYPE_CHECKING:
-    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+@dataclass(frozen=True, eq=False)
+class ShardParts:
+    """What one rank's shard is made of, as the optimizer holds it (fixed at construction)."""
+
+    slot_at: list[ParamSlot]  # by position: torch's numbering (groups in order, params in order)
+    held: list[torch.Tensor | None]  # per slot index: the tensor the inner optimizer steps, or None
+    master_rows: list[torch.Tensor]  # per slot index: 1D, this rank's piece in the masters' dtype
+    optim: torch.optim.Optimizer
+    groups: ParamGroups
+    scaler: DynamicLossScaler | ConstantScale
+    counts: SkipCounts
+    gate: WriteGate  # every writer of the masters and state passes it ([Note: one gate for the shard's writers])
+    stage: int
+    partition: str
+    world_size: int
+    rank: int
+
 
 SECTION = "zero"
 SHARD_FORMAT_VERSION = 2  # 2 added "partition" and "owners"; 1 (row shards only) still loads
@@ -122,42 +149,44 @@ def is_whole_state(value: Any, shard: ParamShard, rank: int) -> bool:
     )
 
 
-def shard_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
-    """``opt``'s shard in the format above. Local and cheap: no communication, no copies."""
-    inner = opt.optim.state
+def shard_state_dict(parts: ShardParts) -> dict[str, Any]:
+    """The shard in the format above. Local and cheap: no communication, no copies."""
+    inner = parts.optim.state
     state = {}
-    for pos, slot in enumerate(opt._slot_at):
-        held = opt._inner_params[slot.index]
+    for pos, slot in enumerate(parts.slot_at):
+        held = parts.held[slot.index]
         entry = inner.get(held) if held is not None else None
         if entry:
             state[pos] = dict(entry)
+    parts.groups.sync()
     groups, pos = [], 0
-    for group in opt.param_groups:  # synced
+    for group in parts.groups.outer:
         n = len(group["params"])
-        names = [s.name for s in opt._slot_at[pos : pos + n]]
+        names = [s.name for s in parts.slot_at[pos : pos + n]]
         groups.append(dict(group, params=list(range(pos, pos + n)), param_names=names))
         pos += n
     zero = {
         "format_version": SHARD_FORMAT_VERSION,
-        "world_size": opt.world_size,
-        "rank": opt.rank,
-        "stage": opt.config.stage,
-        "partition": opt.partition,
-        "numels": [s.shard.numel for s in opt._slot_at],
-        "owners": [s.shard.owner for s in opt._slot_at],
-        "master_rows": {pos: opt.master.rows[s.index] for pos, s in enumerate(opt._slot_at)},
-        "loss_scaler": opt.scaler.state_dict(),
-        "skipped_steps": opt.skipped_steps,
-        "consecutive_skips": opt.consecutive_skips,
+        "world_size": parts.world_size,
+        "rank": parts.rank,
+        "stage": parts.stage,
+        "partition": parts.partition,
+        "numels": [s.shard.numel for s in parts.slot_at],
+        "owners": [s.shard.owner for s in parts.slot_at],
+        "master_rows": {pos: parts.master_rows[s.index] for pos, s in enumerate(parts.slot_at)},
+        "loss_scaler": parts.scaler.state_dict(),
+        "skipped_steps": parts.counts.skipped,
+        "consecutive_skips": parts.counts.consecutive,
     }
     return {"state": state, "param_groups": groups, SECTION: zero}
 
 
-def load_shard_state(opt: LowLevelZeroOptimizer, state_dict: dict[str, Any]) -> None:
-    """Restore ``opt``'s shard from :func:`shard_state_dict` of the same rank and world size,
-    validated before anything changes. Local: the model's params are not touched."""
-    own = shard_state_dict(opt)[SECTION]
-    expected = own | {"group_sizes": [len(g["params"]) for g in opt.param_groups]}
+def load_shard_state(parts: ShardParts, state_dict: dict[str, Any]) -> None:
+    """Restore the shard from :func:`shard_state_dict` of the same rank and world size, validated
+    before anything changes. Local: the model's params are not touched. Kernel choices stay the
+    loading optimizer's (see the module docstring)."""
+    own = shard_state_dict(parts)[SECTION]
+    expected = own | {"group_sizes": [len(g["params"]) for g in parts.groups.outer]}
     error = state_dict_error(state_dict, expected)
     if error is None and state_dict[SECTION]["loss_scaler"].get("kind") != own["loss_scaler"]["kind"]:
         error = (
@@ -167,29 +196,33 @@ def load_shard_state(opt: LowLevelZeroOptimizer, state_dict: dict[str, Any]) -> 
     if error is not None:
         raise ValueError(f"LowLevelZeroOptimizer.load_state_dict: {error}")
     zero = state_dict[SECTION]
+    parts.gate.before_write()  # [Note: one gate for the shard's writers]
     with torch.no_grad():
-        for pos, slot in enumerate(opt._slot_at):
-            opt.master.rows[slot.index].copy_(zero["master_rows"][pos])
+        for pos, slot in enumerate(parts.slot_at):
+            parts.master_rows[slot.index].copy_(zero["master_rows"][pos])
     saved_groups = state_dict["param_groups"]
-    hyper = [{k: v for k, v in g.items() if k not in NOT_HYPERPARAMETERS} for g in saved_groups]
+    skipped = (*NOT_HYPERPARAMETERS, *KERNEL_CHOICES)
+    hyper = [{k: v for k, v in g.items() if k not in skipped} for g in saved_groups]
     # Positions of the params this rank holds, renumbered as the inner optimizer lists them.
-    held = [pos for pos, s in enumerate(opt._slot_at) if opt._inner_params[s.index] is not None]
+    held = [pos for pos, s in enumerate(parts.slot_at) if parts.held[s.index] is not None]
     inner_pos = {pos: i for i, pos in enumerate(held)}
+    kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in parts.optim.param_groups]
     inner_groups = [
-        dict(h, params=[inner_pos[p] for p in g["params"] if p in inner_pos]) for h, g in zip(hyper, saved_groups)
+        dict(h, **kernel, params=[inner_pos[p] for p in g["params"] if p in inner_pos])
+        for h, kernel, g in zip(hyper, kernels, saved_groups)
     ]
     state = {
-        inner_pos[pos]: {k: _in_shape(v, opt._slot_at[pos]) for k, v in entry.items()}
+        inner_pos[pos]: {k: _in_shape(v, parts.slot_at[pos]) for k, v in entry.items()}
         for pos, entry in state_dict["state"].items()
         if pos in inner_pos
     }
-    opt.optim.load_state_dict({"state": state, "param_groups": inner_groups})
-    for group, h in zip(opt._groups.outer, hyper):
+    parts.optim.load_state_dict({"state": state, "param_groups": inner_groups})
+    for group, h in zip(parts.groups.outer, hyper):
         group.update(h)
-    opt._groups.sync()
-    opt.scaler.load_state_dict(zero["loss_scaler"])
-    opt.skipped_steps = int(zero["skipped_steps"])
-    opt.consecutive_skips = int(zero["consecutive_skips"])
+    parts.groups.sync()
+    parts.scaler.load_state_dict(zero["loss_scaler"])
+    parts.counts.skipped = int(zero["skipped_steps"])
+    parts.counts.consecutive = int(zero["consecutive_skips"])
 
 
 def _in_shape(value, slot):

@@ -8,6 +8,7 @@ Example::
     scale_rows(reduced_chunks, coef)          # [Note: one multiply]
     mask = UnusedMask(inner_params, inner_grads)
     mask.apply(used)                          # masters of params used on no rank get grad=None
+    count_skipped_step(counts, scaler, config)  # a step not taken: counted, loss scale backed off
 
 # [Note: one multiply]
 # Loss-scale unscaling and clipping are one factor, ``clip_coef / loss_scale``, applied once to
@@ -17,16 +18,22 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from hf_lowzero.zero import comm
 from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
 from hf_lowzero.zero.norm import squared_norm
 
-if TYPE_CHECKING:
-    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+
+@dataclass
+class SkipCounts:
+    """Steps skipped because gradients were not finite: in all, and in a row up to now."""
+
+    skipped: int = 0
+    consecutive: int = 0
 
 
 def global_norm_and_usage(
@@ -80,18 +87,15 @@ class UnusedMask:
         self.masked = unused
 
 
-def count_skipped_step(opt: LowLevelZeroOptimizer) -> bool:
-    """Count a skipped step of ``opt``, back the loss scale off, discard the gradients; False, or
-    raise when training can make no progress."""
-    was_at_min_scale = opt.scaler.at_min_scale
-    opt.skipped_steps += 1
-    opt.consecutive_skips += 1
-    opt.scaler.update(overflow=True)
-    opt.zero_grad()
-    error = _skip_error(opt.config, opt.skipped_steps, opt.consecutive_skips, was_at_min_scale, opt.scaler.scale)
+def count_skipped_step(counts: SkipCounts, scaler: DynamicLossScaler | ConstantScale, config: ZeroConfig) -> None:
+    """Count a skipped step and back the loss scale off; raise when training can make no progress."""
+    was_at_min_scale = scaler.at_min_scale
+    counts.skipped += 1
+    counts.consecutive += 1
+    scaler.update(overflow=True)
+    error = _skip_error(config, counts.skipped, counts.consecutive, was_at_min_scale, scaler.scale)
     if error is not None:
         raise error
-    return False
 
 
 def _skip_error(config: ZeroConfig, skipped: int, consecutive: int, was_at_min_scale: bool, scale: float):
