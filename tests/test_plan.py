@@ -299,7 +299,7 @@ def test_plan_measures_on_the_device(monkeypatch):
     from hf_lowzero.trainer.auto import free_device_memory
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    free = free_device_memory()
+    free = free_device_memory(torch.device("cpu"))
     if not torch.cuda.is_available():
         with open("/proc/meminfo") as f:
             available = int(next(line for line in f if line.startswith("MemAvailable")).split()[1]) * 1024

@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a model directory or a config.json")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs) in all")
     parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
-    parser.add_argument("--host-memory", default=None, help="host memory per node, to check offload against")
+    parser.add_argument("--host-memory", default=None, help="host memory available per node, to check offload against")
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=None, help="ranks sharing a node's host memory (default: min(world, 8))"
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's, <= 2048)")
     parser.add_argument("--lora-r", type=int, default=None, help="plan a LoRA adapter of this rank")
     parser.add_argument("--lora-targets", default=None, help="comma-separated module names for LoRA (peft's default)")
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             device_memory=own.device_memory,
             seq_len=own.seq_len,
             host_memory=own.host_memory,
+            ranks_per_node=own.ranks_per_node,
             lora_r=own.lora_r,
             lora_targets=targets,
             ref_model=own.ref_model,

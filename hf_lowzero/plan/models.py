@@ -76,18 +76,23 @@ class ModelSpec:
                 setattr(config, name, 0.0)
         return ModelSpec(config, self.model_class, self.lora_r, self.lora_targets, self.name)
 
-    def build(self, dtype: torch.dtype, gradient_checkpointing: bool = False, checkpointing_kwargs=None) -> nn.Module:
+    def build(
+        self, dtype: torch.dtype, gradient_checkpointing: bool = False, checkpointing_kwargs=None, device=None
+    ) -> nn.Module:
         """The model in ``dtype`` (with its LoRA adapter), as the Trainer would train it. Under an
         active ``FakeTensorMode`` nothing is allocated: the model is built on the meta device, where
-        module conversions (PEFT casting its adapter) work, then given fake storage."""
+        module conversions (PEFT casting its adapter) work, then given fake storage on ``device``
+        (default: the CPU; fake ``cuda`` tensors need a fake-GPU process: ``hf_lowzero.simulation``)."""
         from torch._guards import active_fake_mode
         from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from hf_lowzero.simulation.gpu_step import fake_storage
 
         if active_fake_mode() is None:
             return self._build(dtype, gradient_checkpointing, checkpointing_kwargs)
         with unset_fake_temporarily(), torch.device("meta"):
             model = self._build(dtype, gradient_checkpointing, checkpointing_kwargs)
-        return _give_fake_storage(model)
+        return fake_storage(model, device or "cpu")
 
     def _build(self, dtype: torch.dtype, gradient_checkpointing: bool, checkpointing_kwargs) -> nn.Module:
         # Every tensor is created in ``dtype``, the adapter too: the ZeRO Trainer casts the whole model.
@@ -127,27 +132,6 @@ class ModelSpec:
             if isinstance(value, int) and value > 0:
                 return value
         return None
-
-
-def _give_fake_storage(model: nn.Module) -> nn.Module:
-    """Replace every meta param and buffer of ``model`` by a CPU tensor of the active fake mode (no
-    memory), keeping tied weights tied. Assigned directly: a conversion would swap tensors."""
-    made: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in made:
-            empty = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
-        return made[id(t)]
-
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                module._parameters[name] = fake(param)
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = fake(buffer)
-    return model
 
 
 def _name(config, source: str | None = None) -> str:

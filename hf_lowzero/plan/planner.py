@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
@@ -36,6 +37,9 @@ import torch.distributed as dist
 
 from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
+from hf_lowzero.simulation.launch import FakeCudaUnavailable, call_on_fake_gpus, fake_cuda_here
+
+logger = logging.getLogger(__name__)
 
 SETUPS = (Setup(0), Setup(1), Setup(1, True), Setup(2), Setup(2, True))
 RESERVE = 0.10  # of device memory, kept for what is not a tensor: CUDA context, allocator fragmentation
@@ -100,6 +104,7 @@ class MemoryPlan:
     device_memory: int
     usable_memory: int
     host_memory: int | None
+    ranks_per_node: int
     batch_size: int
     seq_len: int
     training: dict[str, Any]
@@ -126,6 +131,7 @@ def plan_memory(
     device_memory: int | str,
     seq_len: int | None = None,
     host_memory: int | str | None = None,
+    ranks_per_node: int | None = None,
     lora_r: int | None = None,
     lora_targets: list[str] | None = None,
     ref_model: bool = False,
@@ -137,7 +143,8 @@ def plan_memory(
 
     ``args``: ``TrainingArguments`` (``LowZeroTrainingArguments`` for ZeRO knobs; None for the
     defaults); ``seq_len``: tokens per sample (default: the model's maximum positions, capped at
-    2048); ``host_memory``: per node, to check offload against; ``lora_r``: plan a LoRA adapter of
+    2048); ``host_memory``: available per node, to check offload against, shared by
+    ``ranks_per_node`` ranks (default: ``min(world_size, 8)``, an 8-GPU node); ``lora_r``: plan a LoRA adapter of
     this rank on the model (a PEFT model brings its own); ``ref_model``: a frozen reference copy
     (DPO, GRPO); ``reserve``: the fraction of device memory kept for the CUDA context and
     fragmentation; ``backend``: the collectives' backend of the planned run (``"nccl"`` on GPUs,
@@ -149,17 +156,29 @@ def plan_memory(
         raise ValueError(f"reserve={reserve!r} is invalid; expected a fraction of device memory in [0, 1)")
     capacity = parse_bytes(device_memory, "device_memory")
     host = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
+    ranks_per_node = ranks_per_node or min(world_size, 8)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r} is invalid; expected the ranks sharing a node's RAM (>= 1)"
+        )
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len={seq_len!r} is invalid; expected tokens per sample (>= 1)")
     spec = ModelSpec.from_source(model_or_config, lora_r=lora_r, lora_targets=lora_targets)
+    options = dict(world_size=world_size, device_memory=capacity, seq_len=seq_len, host_memory=host)
+    options |= dict(ranks_per_node=ranks_per_node, ref_model=ref_model, reserve=reserve, backend=backend)
+    if backend == "nccl" and not fake_cuda_here():
+        # [Note: planning on fake GPUs] in simulate.py: a fresh process with fake CUDA devices,
+        # planned from the spec (a config, not the weights).
+        try:
+            return call_on_fake_gpus(plan_memory, spec, args, **options)
+        except FakeCudaUnavailable as e:
+            logger.warning("planning GPU setups on fake CPU tensors (the CPU's code paths): %s", e)
     if dist.is_available() and dist.is_initialized():
         # The simulation needs a process without a process group (it makes a fake one): plan in a
-        # fresh one, from the spec (a config, not the weights).
-        options = dict(world_size=world_size, device_memory=capacity, seq_len=seq_len, host_memory=host)
-        options |= dict(ref_model=ref_model, reserve=reserve, backend=backend)
+        # fresh one, from the spec.
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             return pool.apply(plan_memory, (spec, args), options)
     training = TrainingSpec.from_args(args if args is not None else _default_args())
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"seq_len={seq_len!r} is invalid; expected tokens per sample (>= 1)")
     seq_len = seq_len or min(spec.max_seq_len() or 2048, 2048)
     usable = int(capacity * (1 - reserve))
     batch = training.batch_size
@@ -181,7 +200,8 @@ def plan_memory(
         zero: max(1, simulate(Setup(2 if zero else 0), batch + 1).peak - steps[Setup(2 if zero else 0)].peak)
         for zero in (False, True)
     }
-    rows = [_row(setup, steps[setup], usable, host, batch, slopes[setup.stage > 0]) for setup in SETUPS]
+    host_per_rank = host // ranks_per_node if host is not None else None
+    rows = [_row(setup, steps[setup], usable, host_per_rank, batch, slopes[setup.stage > 0]) for setup in SETUPS]
     counts = _param_counts(spec)
     plan = MemoryPlan(
         model=spec.name,
@@ -191,6 +211,7 @@ def plan_memory(
         device_memory=capacity,
         usable_memory=usable,
         host_memory=host,
+        ranks_per_node=ranks_per_node,
         batch_size=batch,
         seq_len=seq_len,
         training=_describe(training),
@@ -221,6 +242,7 @@ def _busiest_rank(simulate, setup: Setup, batch: int) -> StepMemory:
 
 
 def _row(setup: Setup, step: StepMemory, usable: int, host: int | None, batch: int, slope: int) -> PlanRow:
+    """``host``: the host memory one rank may use (its share of the node's), or None (unchecked)."""
     fits_host = host is None or step.host <= host
     room = usable - step.peak
     max_batch = max(0, batch + math.floor(room / slope)) if fits_host else 0
@@ -336,7 +358,7 @@ def render(plan: MemoryPlan) -> str:
         "context and fragmentation)",
         "",
     ]
-    header = ["setup", "peak/device", *PARTS, "host", "sent/step", "fits", "headroom", "max batch"]
+    header = ["setup", "peak/device", *PARTS, "host/rank", "sent/step", "fits", "headroom", "max batch"]
     table = [header]
     for r in plan.rows:
         table.append(

@@ -167,7 +167,13 @@ def simulate_step(
 ) -> StepMemory:
     """Run one step of ``setup`` as rank ``rank`` of ``world_size`` and account for its memory (see
     the module docstring). ``fake=False`` needs a real default process group of ``world_size``;
-    ``backend`` is the one the fake process group stands for (``"nccl"`` on GPUs, ``"gloo"`` on CPU)."""
+    ``backend`` is the one the fake process group stands for (``"nccl"`` on GPUs, ``"gloo"`` on CPU).
+
+    [Note: planning on fake GPUs] With ``backend="nccl"`` in a process with fake CUDA devices
+    (``hf_lowzero.simulation.launch``: ``plan_memory`` plans there) the step runs on fake ``cuda``
+    tensors on a process group that enforces NCCL's rules, with ``zero/device.py``'s streams, events
+    and pinned buffers stood in: the branches a GPU run takes, and device and host memory counted
+    apart. Elsewhere it runs on fake CPU tensors that take NCCL's code paths where they can."""
     with warnings.catch_warnings():
         # fake tensors' data pointers (read by the optimizer's wrap guard), MemTracker's note on
         # None gradients: neither changes what is counted
@@ -175,13 +181,35 @@ def simulate_step(
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
+            from hf_lowzero.simulation.launch import fake_cuda_here
+
             if backend == "nccl":
                 spec = spec.as_on_gpu()  # [Note: attention on the GPU]
+            if backend == "nccl" and fake_cuda_here():
+                with _fake_gpu_world(world_size, rank) as device, FakeTensorMode():
+                    return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, device)
             with _fake_world(world_size, rank), comm.fake_group_stands_for(backend), FakeTensorMode():
-                return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model)
+                return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, None)
         if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise RuntimeError(f"a real step of world size {world_size} needs a default process group of that size")
-        return _run(spec, training, setup, world_size, batch_size, seq_len, dist.get_rank(), False, ref_model)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        rank = dist.get_rank()
+        return _run(spec, training, setup, world_size, batch_size, seq_len, rank, False, ref_model, device)
+
+
+@contextlib.contextmanager
+def _fake_gpu_world(world_size: int, rank: int):
+    """A simulated NCCL group and fake streams for a step on the fake ``cuda:0``: streams and
+    events order nothing here (the plan counts memory; ``hf_lowzero.simulation`` checks order)."""
+    from hf_lowzero.simulation.nccl import simulated_world
+    from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
+    from hf_lowzero.zero import device as dev
+
+    device = torch.device("cuda", 0)
+    checker = AccessChecker()
+    ops = FakeCudaOps(checker)
+    with simulated_world(world_size, rank, device, checker, ops), dev.use_ops(ops), ops.on_device(device):
+        yield device
 
 
 @contextlib.contextmanager
@@ -200,16 +228,16 @@ def _fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref_model) -> StepMemory:
+def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref_model, device) -> StepMemory:
+    """``device``: the GPU the step runs on (a fake one on fake tensors), or None on the CPU."""
     zero_on = setup.stage > 0
-    device = torch.device("cuda", torch.cuda.current_device()) if not fake and torch.cuda.is_available() else None
     param_dtype = training.dtype if zero_on else torch.float32  # plain Trainer: fp32 params under autocast
     stand_in = fake and not runs_under_fake_tensors(training.optimizer_cls)
     # Built before the tracker starts (PEFT casts its adapters with module conversions, which fake
     # tensors refuse once the tracker holds weak references to them), then counted from the start.
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = spec.build(param_dtype, training.gradient_checkpointing, training.checkpointing_kwargs)
-        reference = _frozen_copy(spec, param_dtype) if ref_model else None
+    with torch.device(device) if device is not None and not fake else contextlib.nullcontext():
+        model = spec.build(param_dtype, training.gradient_checkpointing, training.checkpointing_kwargs, device)
+        reference = _frozen_copy(spec, param_dtype, device) if ref_model else None
     tracker = PeakTracker()
     tracker.track_external(*(m for m in (model, reference) if m is not None))
     with tracker:
@@ -239,7 +267,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         step = _Step(setup, training, runner, opt, inner, device)
         step.warm_up(fake, batch, reference)  # [Note: steady state]
         tracker.reset_peak()
-        if device is not None:
+        if device is not None and not fake:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         sent_before = sum(comm.comm_stats.sent_bytes.values())
@@ -249,7 +277,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         step.update(fake)
         sent = sum(comm.comm_stats.sent_bytes.values()) - sent_before
     peak = tracker.peak_on(device) if device is not None else tracker.peak_total()
-    allocator_peak = torch.cuda.max_memory_allocated(device) if device is not None else None
+    allocator_peak = torch.cuda.max_memory_allocated(device) if device is not None and not fake else None
     state = _optimizer_state_bytes(opt, inner, training, stand_in, embeddings)
     if stand_in:
         peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
@@ -352,10 +380,10 @@ class _Step:
         self.opt.zero_grad()
 
 
-def _frozen_copy(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+def _frozen_copy(spec: ModelSpec, dtype: torch.dtype, device) -> nn.Module:
     """A reference model (DPO, GRPO): the base model again, frozen and in eval mode."""
     base = ModelSpec(spec.config, spec.model_class, name=spec.name)
-    reference = base.build(dtype).eval()
+    reference = base.build(dtype, device=device).eval()
     reference.requires_grad_(False)
     return reference
 

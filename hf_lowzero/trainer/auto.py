@@ -2,10 +2,12 @@
 
 At construction, before anything is built on the device, ``resolve_auto_stage`` plans the model
 with these arguments on this world size and this much device memory (``zero_device_memory``, or
-what is free now: ``torch.cuda.mem_get_info`` on a GPU, the node's available RAM shared by its
-ranks on CPU), sets ``zero_stage`` and ``zero_offload_optimizer`` to the recommended row and logs
-one line. With ``auto_find_batch_size`` the recommended row's largest batch is where the search
-for a batch that runs starts. When nothing fits it refuses, naming the largest batch that would.
+what is free now on the device the Trainer trains on: ``torch.cuda.mem_get_info`` of that GPU, or
+with ``use_cpu`` or no GPU the node's available RAM shared by its ranks), checks offload against
+this rank's share of the node's available RAM, sets ``zero_stage`` and ``zero_offload_optimizer``
+to the recommended row and logs one line. With ``auto_find_batch_size`` the recommended row's
+largest batch is where the search for a batch that runs starts. When nothing fits it refuses,
+naming the largest batch that would.
 
 Example::
 
@@ -38,13 +40,16 @@ def resolve_auto_stage(args, model, train_dataset=None) -> MemoryPlan:
         )
     spec = ModelSpec.from_source(model)
     memory = parse_bytes(args.zero_device_memory, "zero_device_memory") if args.zero_device_memory else None
+    device = args.device  # what the Trainer trains on: cpu with use_cpu, whatever GPUs there are
     request = dict(
         spec=spec,
         args=args,
         world_size=args.world_size,
-        device_memory=memory or free_device_memory(),
+        device_memory=memory or free_device_memory(device),
+        host_memory=node_available_memory(),
+        ranks_per_node=max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
         seq_len=_seq_len(train_dataset, spec),
-        backend="nccl" if torch.cuda.is_available() and not args.use_cpu else "gloo",
+        backend="nccl" if device.type == "cuda" else "gloo",
     )
     plan = _plan_once(request)
     best = plan.recommended
@@ -69,15 +74,24 @@ def resolve_auto_stage(args, model, train_dataset=None) -> MemoryPlan:
     return plan
 
 
-def free_device_memory() -> int:
-    """Bytes this rank may use: free memory of its GPU, or its share of the node's available RAM."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.cuda.mem_get_info(local_rank % torch.cuda.device_count())[0]
+def free_device_memory(device: torch.device) -> int:
+    """Bytes this rank may use on ``device`` (the Trainer's ``args.device``): that GPU's free memory
+    (no other GPU is touched), or on CPU its share of the node's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_share()
+
+
+def host_share() -> int:
+    """This rank's share of the node's available RAM (over the node's ranks, ``LOCAL_WORLD_SIZE``)."""
+    return node_available_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def node_available_memory() -> int:
+    """The node's available RAM (``MemAvailable``)."""
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)
-    available = int(fields["MemAvailable"].split()[0]) * 1024
-    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def _seq_len(train_dataset, spec: ModelSpec) -> int | None:
@@ -105,6 +119,8 @@ def _plan(request: dict) -> MemoryPlan:
         request["args"],
         world_size=request["world_size"],
         device_memory=request["device_memory"],
+        host_memory=request["host_memory"],
+        ranks_per_node=request["ranks_per_node"],
         seq_len=request["seq_len"],
         backend=request["backend"],
     )

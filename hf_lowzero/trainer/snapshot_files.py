@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState
+from transformers.training_args import ParallelMode
 
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot.format import MARKER_FILE
@@ -43,7 +44,11 @@ SCHEDULER_NAME = "scheduler.pt"
 def trainer_manifest(trainer, include_state: bool) -> dict[str, Any]:
     """This rank's Trainer state at the snapshot point as JSON: its RNG states and, with
     ``include_state`` (rank 0), the trainer state and the LR scheduler's state."""
-    manifest: dict[str, Any] = {"rng": rng_to_json(trainer.args.world_size > 1 and torch.cuda.is_available())}
+    # Trainer._save_rng_state keeps every GPU's CUDA RNG state when the run is distributed (a
+    # process group, even of one rank: an elastic Ray run at its minimum), the current GPU's
+    # otherwise; its loader reads the same layout back.
+    distributed = trainer.args.parallel_mode == ParallelMode.DISTRIBUTED
+    manifest: dict[str, Any] = {"rng": rng_to_json(cuda_all=distributed)}
     if include_state:
         manifest["trainer_state"] = _trainer_state_json(trainer)
         manifest["scheduler"] = _strict_json(trainer.lr_scheduler.state_dict(), "the LR scheduler's state_dict()")

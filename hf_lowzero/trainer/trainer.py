@@ -130,7 +130,7 @@ class LowZeroTrainer(Trainer):
             return self.optimizer
         if current is not None:
             current.remove_hooks()  # built for a previous model (model_init, hyperparameter_search)
-        _ensure_process_group()
+        _ensure_process_group(self.args.device)
         if self.args.zero_dtype is not None:
             self.model.to(parse_dtype(self.args.zero_dtype, "dtype"))
         inner = self.optimizer if self.optimizer is not None else super().create_optimizer(model)
@@ -242,9 +242,11 @@ class LowZeroTrainer(Trainer):
         return self.accelerator.unwrap_model(self.model, keep_torch_compile=False) is not self.model
 
 
-def _ensure_process_group() -> None:
+def _ensure_process_group(device: torch.device) -> None:
     """A single process (one GPU, or CPU) with no launcher: a world of size 1, so ZeRO's fp32
-    master rows and loss scaling work there too. Launched jobs already have their group."""
+    master rows and loss scaling work there too; NCCL when the Trainer trains on a GPU (``device``,
+    its ``args.device``: ``use_cpu=True`` on a GPU machine trains on the CPU, with gloo). Launched
+    jobs already have their group."""
     if dist.is_initialized():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -260,5 +262,5 @@ def _ensure_process_group() -> None:
             "(accelerate's torchrun launcher; its ranks run gloo on CPU) or launch with torchrun "
             "--nproc-per-node N; on one GPU use --num_processes 1."
         )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -76,7 +76,8 @@ class BackwardSync:
         self.reducer = reducer
         self.params = [slot.param for slot in slots]
         self._bucket_params = [plan.params for plan in reducer.pack_plans]  # in packing order
-        self._bucket_members = [torch.tensor([slot.index for slot in bucket.slots]) for bucket in buckets]
+        self._member_lists = [[slot.index for slot in bucket.slots] for bucket in buckets]  # in packing order
+        self._bucket_members = [torch.tensor(members) for members in self._member_lists]
         self.launcher = PlanOrderLauncher(buckets, self._launch, reducer.finish, max_in_flight=MAX_IN_FLIGHT)
         self._guard = guard  # run once per backward, before the first bucket can launch
         self.enabled = True  # False inside no_sync()
@@ -133,8 +134,9 @@ class BackwardSync:
     def _launch(self, bucket: Bucket) -> Reduction:
         grads = list(map(GRAD, self._bucket_params[bucket.index]))
         members = self._bucket_members[bucket.index]
-        if missing_any(grads):
-            members = members[torch.tensor([g is not None for g in grads], dtype=torch.bool)]
+        if missing_any(grads):  # selected on the host: no data-dependent shape for a fake tensor
+            present = [i for i, g in zip(self._member_lists[bucket.index], grads) if g is not None]
+            members = torch.tensor(present, dtype=torch.long)
         self.used[members] = True
         return self.reducer.launch(bucket, grads)
 

@@ -306,28 +306,28 @@ def barrier(group: ProcessGroup | None, device: torch.device | None = None) -> N
 def all_gather_object(obj, group: ProcessGroup | None, device: torch.device | None = None) -> list:
     """Every rank's small picklable ``obj`` (e.g. a validation verdict), in rank order; with NCCL
     through ``device`` (the params' device)."""
-    simulated = getattr(_process_group(group), "object_collective", None)
-    if simulated is not None:  # a simulation moves no data ([Note: what a simulation runs])
-        return simulated("all_gather_object", obj, device)
-    out = [None] * group_size(group)
     with dev.on_device(device if backend(group) == "nccl" else None):
+        simulated = getattr(_process_group(group), "object_collective", None)
+        if simulated is not None:  # a simulation moves no data (hf_lowzero/simulation/nccl.py)
+            return simulated("all_gather_object", obj, device)
+        out = [None] * group_size(group)
         dist.all_gather_object(out, obj, group=group)
-    return out
+        return out
 
 
 def gather_object(obj, group: ProcessGroup | None, device: torch.device | None = None) -> list | None:
     """Every rank's picklable ``obj``, in rank order, on rank 0 of ``group`` (None elsewhere); with
     NCCL through ``device`` (the params' device)."""
     rank = group_rank(group)
-    simulated = getattr(_process_group(group), "object_collective", None)
-    if simulated is not None:
-        gathered = simulated("gather_object", obj, device)
-        return gathered if rank == 0 else None
-    out = [None] * group_size(group) if rank == 0 else None
-    dst = 0 if group is None else dist.get_global_rank(group, 0)
     with dev.on_device(device if backend(group) == "nccl" else None):
+        simulated = getattr(_process_group(group), "object_collective", None)
+        if simulated is not None:
+            gathered = simulated("gather_object", obj, device)
+            return gathered if rank == 0 else None
+        out = [None] * group_size(group) if rank == 0 else None
+        dst = 0 if group is None else dist.get_global_rank(group, 0)
         dist.gather_object(obj, out, dst=dst, group=group)
-    return out
+        return out
 
 
 def wait(work) -> None:

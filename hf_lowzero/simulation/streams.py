@@ -1,0 +1,338 @@
+"""Fake CUDA streams and events that check the order of every access, for a step on fake tensors.
+
+``FakeCudaOps`` stands in for ``hf_lowzero.zero.device.CudaOps`` (``device.use_ops``): streams and
+events are Python objects, pinned buffers fake host tensors. ``AccessChecker``, a dispatch mode
+entered inside ``FakeTensorMode``, sees every tensor operation and tracks who may see whose writes,
+as CUDA orders them ([Note: ordering model]); an access that CUDA would not order after a conflicting
+one raises ``RaceError``, naming both. The NCCL stand-in (``nccl.py``) reports its collectives here.
+
+Example::
+
+    checker = AccessChecker()
+    ops = FakeCudaOps(checker)
+    with FakeTensorMode(), checker, device.use_ops(ops):
+        ...   # the real step on fake cuda tensors
+
+# [Note: ordering model]
+# Contexts are the host and every stream (a device's default compute stream, side streams, NCCL's
+# internal stream per device). Each holds a vector clock: how far it has seen every context.
+# - An operation on CUDA tensors runs on the current stream of their device (``FakeCudaOps`` keeps
+#   it per device: ``on_stream`` changes it); one on host tensors only runs on the host.
+# - The host queues stream work, so a stream sees everything the host did before (it takes the
+#   host's clock when work is queued on it).
+# - A stream sees another's work only through events: ``record_event`` captures a stream's clock,
+#   ``stream_waits`` (``cudaStreamWaitEvent``) and ``host_waits`` (``cudaEventSynchronize``)
+#   merge it. A blocking copy to or from the host, or reading a CUDA scalar (``.item()``), makes
+#   the host wait for the stream.
+# - A non-blocking copy between the device and pinned host memory touches the host memory from the
+#   stream, later; with pageable memory it is done when the call returns (CUDA stages it).
+# - An NCCL collective runs on NCCL's stream, which first waits for the current stream; its work
+#   handle's ``wait()`` makes the current stream wait for it.
+# Each storage remembers its last writer and the readers since; a read must see the last write, a
+# write must also see every read since. Storages are whole tensors' memory: ranges are not tracked.
+# Not modelled: the caching allocator's reuse of freed memory (``record_stream``'s concern).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+HOST = "host"
+
+
+class RaceError(RuntimeError):
+    """Two accesses of one storage that CUDA would not order: a real GPU could run them either way."""
+
+
+@dataclass(eq=False)
+class FakeStream:
+    device: torch.device
+    name: str  # "compute", "side 1", "nccl", ...
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.device.index or 0, self.name)
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name} on {self.device}>"
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    clock: dict
+    where: str
+
+
+@dataclass
+class _Access:
+    storage: weakref.ref  # the storage this history belongs to (an address can be reused once it is freed)
+    last_write: tuple | None = None  # (context, time, what)
+    reads: dict = field(default_factory=dict)  # context -> (time, what)
+
+
+class AccessChecker(TorchDispatchMode):
+    """Checks that every access is ordered after the conflicting ones ([Note: ordering model]).
+
+    ``current`` maps a device index to its current stream (set by ``FakeCudaOps``); ``pinned``
+    holds the storages of pinned host buffers. Data-dependent reads that a fake tensor cannot
+    answer get fixed stand-ins: a CUDA or host scalar reads as 1 (a finite gradient norm) and
+    ``nonzero`` finds nothing (every parameter used).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clocks: dict = {HOST: {HOST: 0}}
+        self.storages: dict[int, _Access] = {}
+        self.current: dict[int, FakeStream] = {}
+        self.pinned: set[int] = set()
+        self.accesses = 0
+        self._names = itertools.count(1)
+
+    # ------------------------------------------------------------------ streams and events
+
+    def stream(self, device: torch.device, name: str | None = None) -> FakeStream:
+        stream = FakeStream(device, name or f"side {next(self._names)}")
+        self.clocks.setdefault(stream.key, {stream.key: 0})
+        return stream
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        index = device.index or 0
+        if index not in self.current:
+            self.current[index] = self.stream(torch.device("cuda", index), "compute")
+        return self.current[index]
+
+    def snapshot(self, context) -> dict:
+        return dict(self._clock(context))
+
+    def merge(self, context, clock: dict) -> None:
+        mine = self._clock(context)
+        for other, time in clock.items():
+            if time > mine.get(other, -1):
+                mine[other] = time
+
+    def _clock(self, context) -> dict:
+        key = context.key if isinstance(context, FakeStream) else context
+        return self.clocks.setdefault(key, {key: 0})
+
+    def _tick(self, context) -> int:
+        key = context.key if isinstance(context, FakeStream) else context
+        clock = self._clock(key)
+        if key != HOST:
+            self.merge(key, self.clocks[HOST])  # the host queued this work: it sees the host's past
+        clock[key] = clock.get(key, 0) + 1
+        return clock[key]
+
+    # -------------------------------------------------------------------------- accesses
+
+    def access(self, context, reads: list[torch.Tensor], writes: list[torch.Tensor], what: str) -> None:
+        """``context`` (the host or a stream) reads ``reads`` and writes ``writes`` now."""
+        key = context.key if isinstance(context, FakeStream) else context
+        time = self._tick(key)
+        clock = self._clock(key)
+        self.accesses += 1
+        written = {_storage(t): t for t in writes if _tracked(t)}
+        for t in reads:
+            if _tracked(t) and _storage(t) not in written:
+                state = self._history(t)
+                self._check(state, key, clock, what, write=False)
+                state.reads[key] = (time, what)
+        for storage, t in written.items():
+            self._check(self._history(t), key, clock, what, write=True)
+            self.storages[storage] = _Access(weakref.ref(t.untyped_storage()), last_write=(key, time, what))
+
+    def _history(self, t: torch.Tensor) -> _Access:
+        storage = t.untyped_storage()
+        state = self.storages.get(storage._cdata)
+        if state is None or state.storage() is not storage:  # none yet, or a freed storage's address
+            state = self.storages[storage._cdata] = _Access(weakref.ref(storage))
+        return state
+
+    def _check(self, state: _Access, key, clock: dict, what: str, write: bool) -> None:
+        earlier = [state.last_write] if state.last_write is not None else []
+        if write:
+            earlier += [(ctx, t, w) for ctx, (t, w) in state.reads.items()]
+        for ctx, time, other in earlier:
+            if ctx != key and clock.get(ctx, 0) < time:
+                kind = "writes" if write else "reads"
+                raise RaceError(
+                    f"{_name(key)} {kind} memory that {_name(ctx)} accessed ({other}) without waiting for it: {what} "
+                    "could run before that access completes on a real GPU. Order it with an event "
+                    "(hf_lowzero.zero.device: record_event, stream_waits, host_waits)."
+                )
+
+    # ------------------------------------------------------------------ the dispatch mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default:
+            (t,) = args
+            if t.device.type == "cuda":
+                self.access(self.current_stream(t.device), [t], [], f"{func} (a scalar read on the host)")
+                self.merge(HOST, self.snapshot(self.current_stream(t.device)))  # .item() waits for the stream
+            else:
+                self.access(HOST, [t], [], str(func))
+            return True if t.dtype == torch.bool else 1 if not t.is_floating_point() else 1.0
+        if func is aten.nonzero.default:
+            (t,) = args
+            self.access(self._context_of([t]), [t], [], str(func))
+            return torch.empty((0, t.dim()), dtype=torch.long, device=t.device)
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func, args, kwargs, out) -> None:
+        mutated = _mutated(func, args, kwargs)
+        if not mutated and (_is_view(func) or func in _METADATA_ONLY or not _tensors([out])):
+            return  # reads no data: a view, a query of shapes or devices, a tensor made like another
+        inputs = [t for t in _tensors(args) + _tensors(list(kwargs.values())) if isinstance(t, torch.Tensor)]
+        fresh = [t for t in _tensors([out]) if isinstance(t, torch.Tensor)]
+        born = [t for t in fresh if not any(_storage(t) == _storage(i) for i in inputs)]
+        for t in born:  # new memory (a freed storage's address may come back): no history
+            self.storages.pop(_storage(t), None)
+        outputs = mutated + born
+        everything = inputs + fresh
+        if not everything:
+            return
+        devices = {t.device.type for t in everything if t.dim() > 0 or t.device.type == "cuda"}
+        what = str(func.__name__ if hasattr(func, "__name__") else func)
+        if devices == {"cuda", "cpu"}:
+            self._copy(func, args, kwargs, inputs, outputs, what)
+            return
+        self.access(self._context_of(everything), inputs, outputs, what)
+
+    def _context_of(self, tensors: list[torch.Tensor]):
+        cuda = [t for t in tensors if t.device.type == "cuda"]
+        return self.current_stream(cuda[0].device) if cuda else HOST
+
+    def _copy(self, func, args, kwargs, inputs, outputs, what: str) -> None:
+        """A copy between host and device memory: on the device's current stream; the host waits
+        for it unless it is non-blocking with pinned host memory ([Note: ordering model])."""
+        device = next(t.device for t in inputs + outputs if t.device.type == "cuda")
+        stream = self.current_stream(device)
+        host = [t for t in inputs + outputs if t.device.type == "cpu" and t.dim() > 0]
+        non_blocking = bool(kwargs.get("non_blocking", False)) or (
+            func in (aten.copy_.default,) and len(args) > 2 and bool(args[2])
+        )
+        asynchronous = non_blocking and all(_storage(t) in self.pinned for t in host)
+        self.access(stream, inputs, outputs, what + (" (non-blocking, pinned)" if asynchronous else ""))
+        if not asynchronous:
+            self.merge(HOST, self.snapshot(stream))
+
+
+class FakeCudaOps:
+    """The stand-in for ``hf_lowzero.zero.device.CudaOps`` on fake tensors, reporting to ``checker``.
+
+    ``current_device`` is the CUDA device current in this process (0: a user who never called
+    ``torch.cuda.set_device``); ``on_device`` changes it, and the NCCL stand-in checks object
+    collectives against it."""
+
+    name = "fake cuda"
+
+    def __init__(self, checker: AccessChecker) -> None:
+        self.checker = checker
+        self.current_device = 0
+        self.pinned_allocations: list[int] = []  # bytes of each pinned buffer, in allocation order
+
+    def side_stream(self, device: torch.device) -> FakeStream:
+        return self.checker.stream(torch.device(device))
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.checker.current_stream(torch.device(device))
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: FakeStream) -> Iterator[None]:
+        index = stream.device.index or 0
+        previous = self.checker.current_stream(stream.device)
+        self.checker.current[index] = stream
+        try:
+            yield
+        finally:
+            self.checker.current[index] = previous
+
+    def record_event(self, stream: FakeStream) -> FakeEvent:
+        return FakeEvent(self.checker.snapshot(stream), repr(stream))
+
+    def stream_waits(self, stream: FakeStream, event: FakeEvent) -> None:
+        self.checker.merge(stream, event.clock)
+
+    def stream_waits_stream(self, stream: FakeStream, other: FakeStream) -> None:
+        self.checker.merge(stream, self.checker.snapshot(other))
+
+    def host_waits(self, event: FakeEvent) -> None:
+        self.checker.merge(HOST, event.clock)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: FakeStream) -> None:
+        pass  # the fake allocator never reuses memory ([Note: ordering model])
+
+    @contextlib.contextmanager
+    def on_device(self, device: torch.device) -> Iterator[None]:
+        previous, self.current_device = self.current_device, torch.device(device).index or 0
+        try:
+            yield
+        finally:
+            self.current_device = previous
+
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(numel, dtype=dtype)
+        self.checker.pinned.add(_storage(tensor))
+        self.pinned_allocations.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    def pinned_footprint(self, tensor: torch.Tensor) -> int:
+        return tensor.untyped_storage().nbytes() if _storage(tensor) in self.checker.pinned else 0
+
+
+# Ops that read no data of their tensor inputs (only shape, dtype and device).
+_METADATA_ONLY = frozenset(
+    getattr(aten, name).default
+    for name in ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like")
+) | frozenset(
+    getattr(aten, name).default for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided")
+)
+
+
+def _is_view(func) -> bool:
+    """An op whose outputs alias its inputs without writing them (``view``, ``slice``, ``detach``)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.Tensor) and (t.dim() > 0 or t.device.type == "cuda")
+
+
+def _tensors(values) -> list:
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(_tensors(v))
+    return found
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes (in-place and ``out=`` arguments, from its schema)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        written.extend(_tensors([value]))
+    return written
+
+
+def _name(key) -> str:
+    return "the host" if key == HOST else f"the {key[1]} stream of cuda:{key[0]}"
