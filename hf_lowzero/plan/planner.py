@@ -112,6 +112,7 @@ class MemoryPlan:
     recommended: PlanRow | None
     reason: str
     checked_batch: dict[str, int] = field(default_factory=dict)
+    simulated_on: str = "cpu"  # "cuda": fake GPUs, the GPU code paths ([Note: planning on fake GPUs])
 
     def row(self, stage: int, offload: bool = False) -> PlanRow:
         return next(r for r in self.rows if r.stage == stage and r.offload == offload)
@@ -218,6 +219,7 @@ def plan_memory(
         rows=rows,
         recommended=None,
         reason="",
+        simulated_on=steps[Setup(2)].device,
     )
     _recommend(plan)
     if plan.recommended is not None and plan.recommended.max_batch_size != batch:
@@ -355,7 +357,8 @@ def render(plan: MemoryPlan) -> str:
         f"{'on' if t['gradient_checkpointing'] else 'off'}",
         f"World size {plan.world_size}, {format_bytes(plan.device_memory)} per device; fits = peak <= "
         f"{format_bytes(plan.usable_memory)} ({1 - plan.usable_memory / plan.device_memory:.0%} kept for the CUDA "
-        "context and fragmentation)",
+        "context and fragmentation); simulated on "
+        + ("fake CUDA devices (the GPU code paths)" if plan.simulated_on == "cuda" else "fake CPU tensors"),
         "",
     ]
     header = ["setup", "peak/device", *PARTS, "host/rank", "sent/step", "fits", "headroom", "max batch"]

@@ -151,6 +151,7 @@ class StepMemory:
     rank: int
     owned_numel: list[int] = field(default_factory=list)  # per rank, with whole-param ownership
     allocator_peak: int | None = None  # a real step on a GPU: torch.cuda.max_memory_allocated over it
+    device: str = "cpu"  # where the step ran: "cuda" (a fake GPU on fake tensors) or "cpu"
 
 
 def simulate_step(
@@ -320,6 +321,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         rank=rank,
         owned_numel=_owned_numel(opt, world_size) if partition == "params" else [],
         allocator_peak=allocator_peak,
+        device=device.type if device is not None else "cpu",
     )
 
 

@@ -80,8 +80,10 @@ class RankRun:
     device: str
     sequence: list[Collective]
     accesses: int  # tensor accesses the checker ordered
-    pinned_bytes: list[int]  # each pinned buffer's bytes, as allocated
+    pinned_bytes: list[int]  # each pinned buffer's bytes, as allocated (the optimizer's, then the snapshot's)
+    optimizer_pinned: int  # bytes of the pinned buffers allocated before the snapshot stager's
     pinned_reported: int  # memory_report().pinned
+    caching_pinned: list[str]  # allocations through torch's caching host allocator (rounded up)
     host_tensors_saved: int  # tensors that reached the checkpoint writer (all on the host)
     exported_states: int  # state entries of the full optimizer state dict (rank 0)
 
@@ -202,6 +204,7 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
             opt.step()
             opt.zero_grad()
             if step == 0:  # a memory snapshot's copy, in flight while the Trainer evaluates
+                optimizer_pinned = sum(ops.pinned_allocations)
                 stager = ShardStager(opt)
                 staged = stager.stage(step)
                 opt.eval()  # a schedule-free optimizer's switch writes the masters
@@ -221,7 +224,9 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
         sequence=list(record.sequence),
         accesses=checker.accesses,
         pinned_bytes=list(ops.pinned_allocations),
+        optimizer_pinned=optimizer_pinned,
         pinned_reported=report.pinned,
+        caching_pinned=list(checker.caching_pinned),
         host_tensors_saved=len(saved),
         exported_states=len(exported["state"]) if exported is not None else 0,
     )

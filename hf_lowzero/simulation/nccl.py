@@ -137,6 +137,9 @@ class SimulatedGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         device = getattr(opts, "device", None)
+        if device is None or torch.device(device).index is None or torch.device(device).type != "cuda":
+            # no device_ids: NCCL's barrier takes the current device
+            device = torch.device("cuda", self.world.ops.current_device)
         if self.stands_for == "nccl" and (device is None or torch.device(device) != self.world.device):
             raise NcclRuleError(
                 f"rank {self.world.rank}: barrier on {device}, but this rank's GPU is {self.world.device}: NCCL's "
@@ -216,7 +219,7 @@ _registered = False
 def _register() -> None:
     global _registered
     if not _registered:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND, _create, devices=["cuda"])  # as NCCL: no CPU tensors
         _registered = True
 
 

@@ -93,6 +93,7 @@ class AccessChecker(TorchDispatchMode):
         self.storages: dict[int, _Access] = {}
         self.current: dict[int, FakeStream] = {}
         self.pinned: set[int] = set()
+        self.caching_pinned: list[str] = []  # allocations through torch's caching host allocator
         self.accesses = 0
         self._names = itertools.count(1)
 
@@ -172,6 +173,9 @@ class AccessChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory") or func in (aten._pin_memory.default, aten.pin_memory.default):
+            # rounded up to a power of two ([Note: exact pinned memory] in zero/device.py)
+            self.caching_pinned.append(str(func))
         if func is aten._local_scalar_dense.default:
             (t,) = args
             if t.device.type == "cuda":
