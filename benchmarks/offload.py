@@ -1,6 +1,7 @@
 """Optimizer offload: step time and memory with and without it, and which host kernel to step with.
 
-    python benchmarks/offload.py          # CPU parts always; GPU parts when CUDA is available
+    python benchmarks/offload.py              # CPU parts always; GPU parts when CUDA is available
+    python benchmarks/offload.py --gpu-only   # the GPU parts alone (results/gpu_offload.md; gpu_check.sh)
 
 CPU (world size 2, gloo, 1 thread per rank, GPT-2 4x256 fp32): stage 1, stage 2, and stage 2
 with 2 micro-batches (host staging and adds), with and without offload, measured in one process
@@ -122,7 +123,13 @@ def gpu_model(n_layer: int, n_embd: int, n_head: int, seq: int):
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).to(device="cuda", dtype=torch.bfloat16)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: a model too big fails there, not in host RAM
+    try:
+        with torch.device("cuda"):
+            return GPT2LMHeadModel(config)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def gpu_measure(
@@ -159,17 +166,28 @@ def gpu_measure(
 
 
 def widest_that_fits(offload: bool, n_layer: int = 24) -> int:
-    """Largest n_embd (multiple of 256) whose bf16 stage-2 step runs at W=1."""
-    best = 0
-    for n_embd in range(1024, 16384 + 1, 256):
+    """Largest n_embd (multiple of 256, 1024 to 16384) whose bf16 stage-2 step runs at W=1, by
+    bisection (a handful of probes, each a whole model built and stepped)."""
+
+    def fits(n_embd: int) -> bool:
         try:
             gpu_measure("probe", n_layer, n_embd, n_embd // 64, offload, batch=1, seq=256)
-            best = n_embd
+            return True
         except torch.OutOfMemoryError:
-            break
+            return False
         finally:
             torch.cuda.empty_cache()
-    return best
+
+    low, high = 4, 64  # in units of 256: 1024 .. 16384
+    if not fits(low * 256):
+        return 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle * 256):
+            low = middle
+        else:
+            high = middle - 1
+    return low * 256
 
 
 def gpu_part() -> list[dict]:
@@ -189,6 +207,17 @@ def gpu_part() -> list[dict]:
 
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
+    if "--gpu-only" in sys.argv[1:]:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu-only needs a CUDA GPU; none is visible here")
+        rows = gpu_part()
+        columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("part", "setup"), k))
+        for row in rows:
+            for k in columns:
+                row.setdefault(k, "")
+        header = f"# Optimizer offload on {torch.cuda.get_device_name()}\n\n`python benchmarks/offload.py --gpu-only`."
+        print(write_results("gpu_offload", rows, columns, header))
+        return
     rows = collect(cpu_overhead_body, 2)
     rows += host_kernels()
     if torch.cuda.is_available():

@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, kwargs) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, kwargs, backend: str = "gloo") -> None:
     # The same variables torchrun sets, so libraries that read them (accelerate) see this world.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -41,11 +41,14 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs) -> None:
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
     fn(rank, world_size, **kwargs)
     # Tear down together: a rank destroying its gloo group while a peer is still using the
     # connections can abort the peer ("terminate called without an active exception").
-    dist.barrier()
+    if backend == "nccl":
+        dist.barrier(device_ids=[rank % torch.cuda.device_count()])  # rank r's GPU, not the current one
+    else:
+        dist.barrier()
     dist.destroy_process_group()
     # Even so, gloo's background threads can outlive the group and abort the interpreter's own
     # shutdown with that message (measured with torch 2.13: about 1 spawn in 10 to 50 under load,
@@ -56,6 +59,8 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs) -> None:
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, **kwargs) -> None:
-    """Spawn ``world_size`` ranks running ``fn(rank, world_size, **kwargs)``; re-raise any failure."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, kwargs), nprocs=world_size, join=True)
+def run_distributed(fn, world_size: int, backend: str = "gloo", **kwargs) -> None:
+    """Spawn ``world_size`` ranks running ``fn(rank, world_size, **kwargs)``; re-raise any failure.
+    ``backend="nccl"`` (one GPU per rank) leaves the current CUDA device alone: ``fn`` places its
+    tensors."""
+    mp.spawn(_entry, args=(world_size, free_port(), fn, kwargs, backend), nprocs=world_size, join=True)

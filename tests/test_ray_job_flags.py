@@ -42,3 +42,46 @@ def test_finetune_flags_map_onto_the_config(monkeypatch):
     assert parse_args(["--address", "auto", "--export-dir", "out/final"])[1] == os.path.abspath("out/final")
     with pytest.raises(SystemExit):  # argparse: not allowed with --export-dir
         parse_args(["--no-export", "--export-dir", "out/final"])
+
+
+def test_workers_get_cpus_for_the_host_step_and_a_collective_timeout(monkeypatch):
+    """With --use-gpu each worker gets the GPU nodes' CPUs per GPU (Ray's default of 1 would run an
+    offloaded AdamW step on one thread); the local CPU demo keeps Ray's default of one CPU."""
+    sys.path.insert(0, str(ROOT / "ray_jobs"))
+    from finetune import parse_args
+
+    from hf_lowzero.ray.recipe import build_trainer
+
+    gpu_nodes = [{"CPU": 48.0, "GPU": 4.0}, {"CPU": 4.0}, {"CPU": 20.0, "GPU": 2.0}]
+    config = parse_args(["--use-gpu"])[2]
+    assert config.worker_resources(gpu_nodes) == {"CPU": 10, "GPU": 1}  # the tightest GPU node decides
+    assert config.worker_resources([{"CPU": 8.0}]) == {"CPU": 1, "GPU": 1}  # no GPU node up yet
+    assert parse_args([])[2].worker_resources(gpu_nodes) == {"CPU": 1}
+    assert parse_args(["--use-gpu", "--cpus-per-worker", "6"])[2].worker_resources(gpu_nodes) == {"CPU": 6, "GPU": 1}
+    given = parse_args(["--resources-per-worker", '{"CPU": 3, "GPU": 1}'])[2]
+    assert given.worker_resources(gpu_nodes) == {"CPU": 3, "GPU": 1}
+    with pytest.raises(ValueError, match="cpus_per_worker='many' is invalid"):
+        parse_args(["--cpus-per-worker", "many"])
+    with pytest.raises(ValueError, match="both set"):
+        parse_args(["--cpus-per-worker", "2", "--resources-per-worker", '{"CPU": 2}'])
+    with pytest.raises(ValueError, match="collective_timeout_s=0 is invalid"):
+        parse_args(["--collective-timeout-s", "0"])
+    trainer = build_trainer(parse_args(["--collective-timeout-s", "90"])[2])
+    assert trainer.backend_config.timeout_s == 90 and trainer.scaling_config.resources_per_worker == {"CPU": 1}
+
+
+def test_an_offloaded_run_says_how_many_threads_its_host_step_gets(tmp_path, caplog):
+    from transformers import TrainerState
+
+    from hf_lowzero import LowZeroTrainingArguments
+    from hf_lowzero.ray.console import ConsoleProgress
+
+    args = LowZeroTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], zero_stage=2, zero_offload_optimizer=True
+    )
+    state = TrainerState(max_steps=10, is_world_process_zero=True)
+    with caplog.at_level("INFO", logger="hf_lowzero"):
+        ConsoleProgress(attempt=1).on_train_begin(args, state, None)
+    import torch
+
+    assert f"offloaded optimizer steps run on the host with {torch.get_num_threads()} threads" in caplog.text

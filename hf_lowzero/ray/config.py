@@ -50,7 +50,18 @@ class RayFinetuneConfig:
     use_gpu: bool = _opt(False, "place one worker per GPU and use NCCL (gloo on CPU otherwise)")
     resources_per_worker: str | None = _opt(
         None,
-        'Ray resources per worker as JSON, e.g. \'{"CPU": 8, "GPU": 1}\' (default: 1 GPU, or 1 CPU without --use-gpu)',
+        'Ray resources per worker as JSON, e.g. \'{"CPU": 8, "GPU": 1}\' (default: 1 GPU and --cpus-per-worker CPUs)',
+    )
+    cpus_per_worker: int | str = _opt(
+        "auto",
+        "CPUs Ray gives each worker: its threads for offloaded optimizer steps and data loading (Ray sets "
+        "OMP_NUM_THREADS to it); auto: with --use-gpu the CPUs per GPU of the cluster's GPU nodes (1 when none "
+        "is up yet), 1 otherwise",
+    )
+    collective_timeout_s: int = _opt(
+        600,
+        "seconds a collective may wait before the process group gives up (NCCL: the rank aborts with an error); "
+        "a lost worker or node is noticed sooner, by Ray (see the README's failure section)",
     )
     zero_stage: int | str = _opt(
         2,
@@ -100,6 +111,9 @@ class RayFinetuneConfig:
         if self.resize_check_interval_s < 0:
             raise ValueError(f"resize_check_interval_s={self.resize_check_interval_s} is invalid; expected >= 0")
         self.resources_per_worker_dict()  # raises on bad JSON
+        self.cpus_per_worker = _check_cpus(self.cpus_per_worker, self.resources_per_worker_dict())
+        if self.collective_timeout_s < 1:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s} is invalid; expected seconds (>= 1)")
         if self.checkpoint_upload not in UPLOAD_MODES:
             raise ValueError(
                 f"checkpoint_upload={self.checkpoint_upload!r} is invalid; expected one of {sorted(UPLOAD_MODES)}"
@@ -156,6 +170,24 @@ class RayFinetuneConfig:
             )
         return resources
 
+    def worker_resources(self, nodes: list[dict[str, float]]) -> dict[str, float]:
+        """What Ray reserves per worker on a cluster whose alive nodes have ``nodes`` resources:
+        ``resources_per_worker``, or one GPU (with ``use_gpu``) and ``cpus_per_worker`` CPUs.
+
+        Example::
+
+            >>> RayFinetuneConfig(use_gpu=True).worker_resources([{"CPU": 48.0, "GPU": 4.0}, {"CPU": 8.0}])
+            {'CPU': 12, 'GPU': 1}
+        """
+        given = self.resources_per_worker_dict()
+        if given is not None:
+            return given
+        cpus = self.cpus_per_worker
+        if cpus == "auto":
+            per_gpu = [int(n.get("CPU", 0) // n["GPU"]) for n in nodes if n.get("GPU", 0) >= 1]
+            cpus = max(1, min(per_gpu)) if self.use_gpu and per_gpu else 1
+        return {"CPU": cpus, "GPU": 1} if self.use_gpu else {"CPU": cpus}
+
     def training_arguments(self, output_dir: str, world_size: int) -> LowZeroTrainingArguments:
         """The Trainer arguments every worker trains with at ``world_size``: each field of this config
         named like a ``LowZeroTrainingArguments`` field (or renamed in ``TRAINING_ARGUMENT_NAMES``)
@@ -182,6 +214,22 @@ class RayFinetuneConfig:
         """
         given = _fields_named_like(self, ClmArguments)
         return ClmArguments(**{k: v for k, v in given.items() if v is not None})
+
+
+def _check_cpus(cpus: int | str, resources: dict[str, float] | None) -> int | str:
+    if cpus != "auto":
+        given = cpus
+        try:
+            cpus = int(cpus)
+        except (TypeError, ValueError):
+            cpus = 0
+        if cpus < 1:
+            raise ValueError(f"cpus_per_worker={given!r} is invalid; expected 'auto' or a number of CPUs (>= 1)")
+        if resources is not None:
+            raise ValueError(
+                "cpus_per_worker and resources_per_worker both set; give one (resources_per_worker may hold 'CPU')"
+            )
+    return cpus
 
 
 def _fields_named_like(config: RayFinetuneConfig, target: type, renamed: dict[str, str] | None = None) -> dict:

@@ -44,6 +44,7 @@ import os
 import socket
 
 import ray
+import torch
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
@@ -81,6 +82,11 @@ class ConsoleProgress(TrainerCallback):
             what = f"training {state.max_steps} steps"
         attempt = f"attempt {self.attempt}: " if self.attempt else ""
         logger.info(f"[hf_lowzero] {attempt}{what} on {args.world_size} workers, ZeRO stage {args.zero_stage}")
+        if getattr(args, "zero_offload_optimizer", False) and args.zero_stage:
+            logger.info(
+                f"[hf_lowzero] offloaded optimizer steps run on the host with {torch.get_num_threads()} threads per "
+                "worker (the CPUs Ray gives each worker: --cpus-per-worker)"
+            )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:

@@ -10,6 +10,17 @@ Example::
 
 Elastic (``num_workers=(1, 4)``, or ``--num-workers 1-4``): Ray restarts the group at a new size
 when capacity changes, and every attempt resumes the latest checkpoint, resharded (``elastic.py``).
+
+# [Note: a lost rank under NCCL]
+# With gloo a rank whose peer died gets a connection error at its next collective and exits with
+# it. With NCCL it may not: over sockets or InfiniBand NCCL sees the closed connection and, with
+# asynchronous error handling (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, which Ray Train sets), the
+# watchdog aborts the communicator and the rank exits with an NCCL error; over NVLink or shared
+# memory within a node nothing tells NCCL that the peer is gone, and the survivors block in the
+# collective without a word. Either way Ray's controller notices the dead worker (a process: at
+# once; a node: when its health checks fail, tens of seconds) and tears the group down, killing
+# blocked survivors. What nothing else catches is a rank that hangs alive; the process group's
+# timeout (``collective_timeout_s``, 600 s here, against Ray's 1800) ends that one.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from typing import Any
 import ray.train
 import torch.distributed as dist
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import TrainerCallback
 
 from hf_lowzero.ray.attempts import record_attempt
@@ -76,11 +87,20 @@ def build_trainer(
         scaling_config=ScalingConfig(
             num_workers=config.num_workers,
             use_gpu=config.use_gpu,
-            resources_per_worker=config.resources_per_worker_dict(),
+            resources_per_worker=config.worker_resources(_alive_nodes()),
             elastic_resize_monitor_interval_s=config.resize_check_interval_s,
         ),
+        # [Note: a lost rank under NCCL]: how long a collective may wait
+        torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
         run_config=with_snapshot_release(merge_run_config(run_config, job_run_config)),
     )
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    """The resources of the connected cluster's alive nodes (none when Ray is not started yet)."""
+    if not ray.is_initialized():
+        return []
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
 def with_snapshot_release(run_config: RunConfig) -> RunConfig:

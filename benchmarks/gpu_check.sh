@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU check, for whoever has a CUDA GPU at hand:  bash benchmarks/gpu_check.sh
+#
+# About 10 minutes on one H100. Runs, each step even when an earlier one failed:
+#   1. every CUDA test (tests/test_cuda.py; NCCL tests of 2+ ranks when 2+ GPUs are visible) under
+#      torch's CUDA sanitizer, which checks every kernel's accesses against the streams and events
+#      ordering them;
+#   2. benchmarks/gpu_single.py: one GPU, bf16, ZeRO stage 2 against the plain Trainer (fused AdamW);
+#   3. the GPU half of benchmarks/offload.py;
+#   4. benchmarks/gpu_plan.py: the memory plan against torch.cuda.max_memory_allocated, three setups;
+#   5. benchmarks/gpu_snapshot.py: a memory snapshot's side-stream copy against the step it overlaps.
+# Results land in benchmarks/results/gpu_* (commit them); the exit status is 1 if any step failed.
+# Needs torch, transformers, safetensors and pytest (no Ray); installs this checkout without its deps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=benchmarks/results
+mkdir -p "$RESULTS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+failed=()
+
+step() {  # step NAME COMMAND...: run it, keep its output in $RESULTS/gpu_NAME.log, remember a failure
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    if "$@" 2>&1 | tee "$RESULTS/gpu_$name.log"; then
+        echo "=== $name: ok in $((SECONDS - start)) s"
+    else
+        echo "=== $name: FAILED in $((SECONDS - start)) s"
+        failed+=("$name")
+    fi
+}
+
+python - <<'EOF' | tee "$RESULTS/gpu_machine.txt"
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s):",
+      ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none")
+EOF
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+    echo "no CUDA GPU is visible: nothing to check here"
+    exit 1
+}
+
+step tests env TORCH_CUDA_SANITIZER=1 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
+step single python benchmarks/gpu_single.py
+step offload python benchmarks/offload.py --gpu-only
+step plan python benchmarks/gpu_plan.py
+step snapshot python benchmarks/gpu_snapshot.py
+
+if ((${#failed[@]})); then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "all GPU checks passed; results in $RESULTS/gpu_*"
