@@ -32,12 +32,13 @@ Example::
 #   buffers of the uneven exchanges' sizes from the first step on (``buffers.py`` keeps the largest
 #   it was asked for), so the first step runs whole there too; measured, skipping it put the peak
 #   12% low.
-# - [Note: attention on the GPU] The fake tensors are CPU tensors, so
-#   ``scaled_dot_product_attention`` picks the CPU's kernel: with attention dropout that is the
-#   math path, which keeps fp32 S x S scores, dropout mask and softmax per layer. On a GPU it is
-#   flash or memory-efficient attention, which keeps none of them (the dropout mask is regenerated
-#   from a seed). A plan for GPUs therefore simulates with attention dropout off, where the CPU takes
-#   its flash kernel: the GPU's memory. Models with eager attention (T5) keep the scores either way.
+# - [Note: attention on the GPU] On a GPU ``scaled_dot_product_attention`` runs flash or
+#   memory-efficient attention, which keep no S x S scores (the dropout mask is regenerated from a
+#   seed). On fake GPUs ``hf_lowzero.simulation.attention.gpu_attention`` routes it to those kernels.
+#   Where a plan for GPUs runs on fake CPU tensors instead (no fake GPU could be made), the CPU takes
+#   the math path with attention dropout, which keeps fp32 scores, mask and softmax per layer; there
+#   attention dropout is turned off, where the CPU takes its flash kernel: the GPU's memory. Models
+#   with eager attention (T5) keep the scores either way.
 # - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
 """
@@ -182,13 +183,14 @@ def simulate_step(
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
+            from hf_lowzero.simulation.attention import gpu_attention
             from hf_lowzero.simulation.launch import fake_cuda_here
 
+            if backend == "nccl" and fake_cuda_here():
+                with _fake_gpu_world(world_size, rank) as device, FakeTensorMode(), gpu_attention():
+                    return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, device)
             if backend == "nccl":
                 spec = spec.as_on_gpu()  # [Note: attention on the GPU]
-            if backend == "nccl" and fake_cuda_here():
-                with _fake_gpu_world(world_size, rank) as device, FakeTensorMode():
-                    return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, device)
             with _fake_world(world_size, rank), comm.fake_group_stands_for(backend), FakeTensorMode():
                 return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, None)
         if not dist.is_initialized() or dist.get_world_size() != world_size:
