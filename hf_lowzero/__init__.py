@@ -14,10 +14,12 @@ from hf_lowzero.checkpoint import (
     save_checkpoint,
 )
 from hf_lowzero.zero import ChainedOptimizer, LowLevelZeroOptimizer, MemoryReport, ZeroConfig
+from hf_lowzero.zero.integrity import IntegrityError
 
 __all__ = [
     "ChainedOptimizer",
     "CheckpointError",
+    "IntegrityError",
     "LowLevelZeroOptimizer",
     "LowZeroTrainer",
     "LowZeroTrainingArguments",

@@ -43,6 +43,8 @@ class ZeroArguments:
     zero_offload_optimizer: bool | None
     zero_partition: str | None
     zero_master_dtype: str | None
+    zero_verify_every: str | None
+    zero_on_mismatch: str | None
     zero_config: str | None
 
     def __post_init__(self) -> None:
@@ -79,6 +81,8 @@ class ZeroArguments:
             "offload_optimizer": self.zero_offload_optimizer,
             "partition": self.zero_partition,
             "master_dtype": self.zero_master_dtype,
+            "verify_every": self.zero_verify_every,
+            "on_mismatch": self.zero_on_mismatch,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
         stage = 2 if self.zero_stage in (0, "auto") else self.zero_stage
@@ -131,6 +135,20 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         metadata={
             "help": "dtype of the master rows between steps: fp32 (default) or bf16 (2 bytes per owned param fewer; "
             "the step computes in fp32 and rounds back stochastically: see the README's 'bf16 master rows')"
+        },
+    )
+    zero_verify_every: str | None = field(
+        default=None,
+        metadata={
+            "help": "Integrity checks (replicas hashed and compared, reductions checked by checksums): every N "
+            "steps, auto (within 1% of step time; default) or off"
+        },
+    )
+    zero_on_mismatch: str | None = field(
+        default=None,
+        metadata={
+            "help": "A failed integrity check: raise (IntegrityError on every rank; default) or rollback (on Ray: "
+            "restart from the newest verified memory snapshot)"
         },
     )
     zero_config: str | None = field(

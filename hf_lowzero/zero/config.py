@@ -58,6 +58,23 @@ def check_stage(value: object, field_name: str, allow_off: bool = False) -> int:
 
 PARTITIONS = ("auto", "rows", "params")  # ZeroConfig.partition: see [Note: two ways to own a parameter]
 MASTER_ROUNDINGS = ("stochastic", "nearest")  # ZeroConfig.master_rounding: see [Note: bf16 masters]
+VERIFY_OFF, VERIFY_AUTO = "off", "auto"  # ZeroConfig.verify_every besides an interval
+ON_MISMATCH = ("raise", "rollback")
+AUTO_OVERHEAD = 0.01  # verify_every="auto" keeps the checks within this fraction of the step time
+
+
+def check_verify_every(value: object) -> int | str:
+    """``verify_every`` as given (an int, or a flag's string): an interval >= 1, "auto" or "off"."""
+    if isinstance(value, str) and value.strip().lower() in (VERIFY_OFF, VERIFY_AUTO):
+        return value.strip().lower()
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"verify_every={value!r} is invalid; expected a number of steps (>= 1), 'auto' (the interval that "
+            f"keeps the checks within {AUTO_OVERHEAD:.0%} of step time) or 'off'"
+        )
+    return value
 
 
 @dataclass(kw_only=True)
@@ -146,6 +163,16 @@ class ZeroConfig:
     max_consecutive_skips: int = 100
     """Raise instead of skipping more than this many steps in a row (non-finite gradients)."""
 
+    verify_every: int | str = "auto"
+    """Integrity checks ([Note: integrity checks] in ``integrity.py``): every N steps, ``"auto"``
+    (the interval that keeps them within 1% of step time) or ``"off"``. On a verify step every
+    rank's params are compared by hash and every reduction checked by random-sign checksums."""
+
+    on_mismatch: str = "raise"
+    """What a failed integrity check does: ``"raise"`` (``hf_lowzero.IntegrityError`` on every rank,
+    before the update) or ``"rollback"`` (on Ray with memory snapshots: the run restarts from the
+    newest snapshot taken at a verified step; elsewhere the same error)."""
+
     def __post_init__(self) -> None:
         check_stage(self.stage, "ZeroConfig.stage")
         bucket = self.reduce_bucket_mb
@@ -170,6 +197,12 @@ class ZeroConfig:
             )
         self._check_loss_scaling()
         self._check_master_precision()
+        self.verify_every = check_verify_every(self.verify_every)
+        if self.on_mismatch not in ON_MISMATCH:
+            raise ValueError(
+                f"ZeroConfig.on_mismatch={self.on_mismatch!r} is invalid; expected 'raise' (stop with "
+                "IntegrityError) or 'rollback' (restart from the newest verified memory snapshot)"
+            )
         if self.communication_dtype is not None:
             self.communication_dtype = parse_dtype(self.communication_dtype, "communication_dtype")
 

@@ -24,6 +24,7 @@ own a parameter] in ``partition.py``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -43,12 +44,13 @@ from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.grad_store import make_grad_store
 from hf_lowzero.zero.groups import HOOK_TABLES, ParamGroups
 from hf_lowzero.zero.inner import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
+from hf_lowzero.zero.integrity import IntegrityChecker
 from hf_lowzero.zero.layout import holding_any
 from hf_lowzero.zero.loss_scaler import make_scaler
 from hf_lowzero.zero.master import MasterRows
 from hf_lowzero.zero.master_precision import make_master_precision
 from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
-from hf_lowzero.zero.params import WrapGuard, managed_slots
+from hf_lowzero.zero.params import WrapGuard, canonical_name, managed_slots
 from hf_lowzero.zero.reducer import BucketReducer
 from hf_lowzero.zero.shard_state import ShardParts, load_shard_state, shard_state_dict
 from hf_lowzero.zero.step import (
@@ -59,6 +61,19 @@ from hf_lowzero.zero.step import (
     scale_rows,
     unscale_clip_coef,
 )
+
+logger = logging.getLogger(__name__)
+
+
+def hashed_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What the replica check compares ([Note: integrity checks]): every parameter, trainable and
+    frozen (tied ones once), and every persistent buffer, by name."""
+    tensors = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                tensors.append((canonical_name(f"{module_name}.{name}" if module_name else name), buffer))
+    return tensors
 
 
 def check_inner_optimizer(optimizer: object) -> None:
@@ -108,6 +123,18 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.device = self.slots[0].param.device
         offload, pin = self.config.offload_optimizer, self.config.pin_memory
         pool = BufferPool()  # communication scratch shared by the reduce-scatters and all-gathers
+        self.integrity = IntegrityChecker(
+            self.buckets,
+            {id(slot): slot.name for slot in self.slots},
+            hashed_tensors(model),
+            self.config.communication_dtype,
+            self.process_group,
+            self.rank,
+            self.world_size,
+            self.device,
+            self.config.verify_every,
+            self.config.on_mismatch,
+        )
         self.reducer = BucketReducer(
             self.buckets,
             self.process_group,
@@ -116,6 +143,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.config.stage,
             make_grad_store(self.buckets, self.device, offload, pin),
             pool,
+            self.integrity,
         )
         group, cfg = self.process_group, self.config
         where = (self.rank, self.world_size, group, self.device)
@@ -251,6 +279,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync.reset()
         self.reducer.clear()
         self._pending_norm = None
+        self.integrity.discard()
 
     def copy_master_to_params(self) -> None:
         """Write the master rows back into the model's params (all-gather, bucketed, in the
@@ -293,6 +322,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """
         self._sync.check_finished("run backward")
         self._guard.check()
+        self.integrity.begin_step()  # [Note: integrity checks]: the params as this step's forward saw them
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
         self._sync.explicit = True
@@ -347,8 +377,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             reduced, scaled_norm, used = self._norm_and_usage()
         if not math.isfinite(scaled_norm):
             self.last_step_applied = False
+            why = self.integrity.nonfinite_text()
+            if why and self.rank == 0:
+                logger.warning("[hf_lowzero] step skipped: %s", why)
+            self.integrity.end_step(skipped_nonfinite=True)
             self.zero_grad()
-            count_skipped_step(self.counts, self.scaler, self.config)
+            count_skipped_step(self.counts, self.scaler, self.config, why)
             return False
 
         # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
@@ -356,6 +390,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._update(used)
         self.scaler.update(overflow=False)
         self.counts.consecutive = 0
+        self.integrity.end_step(skipped_nonfinite=False)
         self._forget_gradients()  # every p.grad was consumed by the flush
         self.last_step_applied = True
         return True
@@ -387,6 +422,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def _norm_and_usage(self):
         self._sync.flush_loose()  # [Note: one hook per bucket]: gradients no backward flushed
+        self.integrity.verify()  # raises IntegrityError on every rank, before anything is updated
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
             reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
             scaled_norm, used = global_norm_and_usage(reduced, self._sync.used, self.device, self.process_group)

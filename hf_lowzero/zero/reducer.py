@@ -33,6 +33,7 @@ from hf_lowzero.zero import comm
 from hf_lowzero.zero.buckets import Bucket, Reduction
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.grad_store import DeviceGradStore
+from hf_lowzero.zero.integrity import IntegrityChecker
 from hf_lowzero.zero.layout import pack_bucket, pack_plan
 from hf_lowzero.zero.memory import bytes_by_device
 
@@ -50,8 +51,10 @@ class BucketReducer:
         stage: int,
         store: DeviceGradStore,
         pool: BufferPool,
+        integrity: IntegrityChecker | None = None,
     ) -> None:
         self.buckets = buckets
+        self.integrity = integrity  # called after packing and after each collective (integrity.py)
         self.group = group
         self.world_size = world_size
         self.comm_dtype = comm_dtype
@@ -83,6 +86,8 @@ class BucketReducer:
         flat = take(bucket.packed_numel)
         with record_function("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, flat, self.world_size, self.pack_plans[bucket.index], grads)
+        if self.integrity is not None:
+            self.integrity.after_pack(bucket, flat)
         if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
             out = direct if direct is not None else take(bucket.row_numel)
             workspace = take(self.world_size * bucket.row_numel)
@@ -102,6 +107,8 @@ class BucketReducer:
         bucket = reduction.bucket
         with record_function("hf_lowzero::reduce_wait"):
             comm.wait(reduction.work)  # on gloo also the local sum of the received chunks
+        if self.integrity is not None and self.world_size > 1:
+            self.integrity.after_reduce(bucket, reduction.out)
         with record_function("hf_lowzero::accept_chunk"):
             self.store.accept(bucket, reduction.out, first=not self.holds[bucket.index])
         for buffer in reduction.buffers:

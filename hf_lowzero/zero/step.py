@@ -87,15 +87,18 @@ class UnusedMask:
         self.masked = unused
 
 
-def count_skipped_step(counts: SkipCounts, scaler: DynamicLossScaler | ConstantScale, config: ZeroConfig) -> None:
-    """Count a skipped step and back the loss scale off; raise when training can make no progress."""
+def count_skipped_step(
+    counts: SkipCounts, scaler: DynamicLossScaler | ConstantScale, config: ZeroConfig, why: str | None = None
+) -> None:
+    """Count a skipped step and back the loss scale off; raise when training can make no progress.
+    ``why``: where the non-finite gradients came from, when an integrity check named it."""
     was_at_min_scale = scaler.at_min_scale
     counts.skipped += 1
     counts.consecutive += 1
     scaler.update(overflow=True)
     error = _skip_error(config, counts.skipped, counts.consecutive, was_at_min_scale, scaler.scale)
     if error is not None:
-        raise error
+        raise RuntimeError(f"{error} {why}") if why else error
 
 
 def _skip_error(config: ZeroConfig, skipped: int, consecutive: int, was_at_min_scale: bool, scale: float):
