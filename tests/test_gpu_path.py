@@ -62,7 +62,7 @@ def _undo_each_fix() -> dict[str, str]:
         ),
         "offload's event on the current device": (
             GpuCase(2, dtype="bf16", offload=True),
-            mock.patch.object(grad_store.dev, "current_stream", lambda device: current(torch.device("cuda", 0))),
+            mock.patch.object(grad_store, "dev", _CurrentDeviceOnly(dev, current)),
         ),
         "export gathers host rows": (
             GpuCase(2, dtype="fp32", offload=True),
@@ -88,6 +88,19 @@ def _undo_each_fix() -> dict[str, str]:
         (result,) = check_cases([GpuCase(2, dtype="bf16", offload=True)])
     outcome["pinned through the caching allocator"] = ", ".join(result.runs[0].caching_pinned)
     return outcome
+
+
+class _CurrentDeviceOnly:
+    """``zero.device`` as the grad store used it before the fix: the current device's stream (GPU 0)."""
+
+    def __init__(self, module, current) -> None:
+        self._module, self._current = module, current
+
+    def current_stream(self, device):
+        return self._current(torch.device("cuda", 0))
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,10 @@ between two storage checkpoints (after step KILL_AT). Each ends like the uninter
 - a killed node resumes from the buddy copies, its replacement worker on a fresh node fetching
   over the network;
 - an elastic run that loses a node goes on at 1 worker from memory, resharded 2 -> 1;
-- a node lost together with its buddy falls back to storage and says why.
+- a node lost together with its buddy falls back to storage and says why;
+- a corruption that an integrity check catches rolls back to the snapshot of the step before
+  (verified), and the run ends like the uninterrupted one; a fault that repeats on one node
+  stops the run, naming the rank and the node.
 No holder outlives its run: after success, and after a run that fails for good.
 """
 
@@ -174,7 +177,9 @@ def test_a_killed_process_resumes_from_its_own_nodes_memory_unseen_by_other_runs
     assert (m["resumed_from"], m["resumed_from_step"], m["newest_storage_step"]) == ("memory", KILL_AT - 1, SAVE)
     assert m["memory_pieces_from_other_nodes"] == 0
     assert_like_uninterrupted(result, clean)
-    assert ray.get(decoy.index.remote())["steps"] == {999: {"world_size": 1, "marked": [0], "pieces": [0]}}
+    assert ray.get(decoy.index.remote())["steps"] == {
+        999: {"world_size": 1, "marked": [0], "pieces": [0], "verified": None}
+    }
     ray.kill(decoy)
     assert_no_holders_left()
 
@@ -257,3 +262,43 @@ def test_a_holder_exits_once_its_runs_controller_is_gone(cluster):
 
 class _StandIn:
     """Stands in for a run's Ray Train controller."""
+
+
+def test_an_integrity_failure_rolls_back_to_the_verified_snapshot_and_ends_like_the_clean_run(
+    cluster, clean, no_dropout_model, tmp_path
+):
+    with_slots(cluster, 2)
+    run = config("rollback", tmp_path, no_dropout_model, verify_every=1, on_mismatch="rollback",
+                 inject_corruption_at_step=KILL_AT)  # fmt: skip
+    result = build_trainer(run).fit()
+    m = result.metrics
+    assert (m["resumed_from"], m["resumed_from_step"]) == ("memory", KILL_AT - 1)  # the step before the fault
+    assert (m["integrity_failures"], m["rolled_back_to"]) == (1, KILL_AT - 1)
+    assert m["integrity_checks"] == STEPS - (KILL_AT - 1)  # every step of the replay was checked
+    assert_like_uninterrupted(result, clean)
+    assert_no_holders_left()
+
+
+class CorruptEveryAttempt(TrainerCallback):
+    """A fault that is not transient: the last rank's reduced rows go wrong at ``step`` on every
+    attempt that reaches it (a bad GPU)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from hf_lowzero.zero.faults import Fault, inject
+
+        if dist.get_rank() == dist.get_world_size() - 1:
+            self.injecting = inject(Fault("flip", rank=dist.get_rank(), step=self.step, bucket=0, bit=28, times=99))
+            self.injecting.__enter__()
+
+
+def test_a_fault_that_repeats_on_one_node_stops_the_run_and_names_it(cluster, no_dropout_model, tmp_path):
+    with_slots(cluster, 2)
+    run = config("repeats", tmp_path, no_dropout_model, verify_every=1, on_mismatch="rollback", max_failures=1)
+    result = build_trainer(run, trainer_callbacks=[CorruptEveryAttempt(KILL_AT)]).fit()
+    assert result.error is not None
+    message = str(result.error)
+    assert "failed a check before: rank(s) [1] on node(s)" in message and "Leave those nodes out" in message, message
+    assert_no_holders_left()

@@ -24,10 +24,15 @@ from hf_lowzero.ray.reporting import UPLOAD_MODES
 from hf_lowzero.ray.snapshot_plan import check_every
 from hf_lowzero.recipes.clm import ClmArguments
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, parse_stage
-from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.config import ON_MISMATCH, ZeroConfig, check_verify_every
 
 # Fields whose flag name differs from the TrainingArguments field they set.
-TRAINING_ARGUMENT_NAMES = {"offload_optimizer": "zero_offload_optimizer", "num_to_keep": "save_total_limit"}
+TRAINING_ARGUMENT_NAMES = {
+    "offload_optimizer": "zero_offload_optimizer",
+    "num_to_keep": "save_total_limit",
+    "verify_every": "zero_verify_every",
+    "on_mismatch": "zero_on_mismatch",
+}
 # What every worker of the job trains with, whatever the flags: a checkpoint every save_steps, a
 # loss line every step (ConsoleProgress), no integrations, no tqdm (one line per step instead).
 JOB_TRAINING_ARGUMENTS = {"save_strategy": "steps", "logging_steps": 1, "report_to": [], "disable_tqdm": True}
@@ -102,7 +107,22 @@ class RayFinetuneConfig:
         "ZeRO stages: keep snapshots of the training state in node memory (each rank's shard on its node and a "
         "buddy node) every N steps, 'auto' (the interval that costs at most 2%% of training time) or 'off'",
     )
+    verify_every: int | str = _opt(
+        "auto",
+        "integrity checks (replicas hashed and compared, reductions checked by checksums): every N steps, 'auto' "
+        "(within 1%% of step time) or 'off'",
+    )
+    on_mismatch: str = _opt(
+        "raise",
+        "a failed integrity check: 'raise' (stop) or 'rollback' (restart from the newest memory snapshot taken at "
+        "a verified step; needs snapshots)",
+    )
     inject_failure_at_step: int | None = _opt(None, "kill one worker process once, at this step (demos, tests)")
+    inject_corruption_at_step: int | None = _opt(
+        None,
+        "flip a bit of the last rank's reduced gradients once, at this step, on the first attempt (demos, tests: "
+        "with --verify-every 1 the check of that step catches it)",
+    )
     num_to_keep: int = _opt(2, "checkpoints Ray keeps")
     seed: int = _opt(0, "seed for model init and data order")
 
@@ -133,8 +153,13 @@ class RayFinetuneConfig:
         ZeroConfig(partition=self.zero_partition)  # raises on a bad --zero-partition
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
-        if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step <= self.max_steps:
-            raise ValueError(f"inject_failure_at_step must be in [1, max_steps={self.max_steps}]")
+        for name in ("inject_failure_at_step", "inject_corruption_at_step"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= self.max_steps:
+                raise ValueError(f"{name}={value} is invalid; expected a step in [1, max_steps={self.max_steps}]")
+        self.verify_every = check_verify_every(self.verify_every)
+        if self.on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"on_mismatch={self.on_mismatch!r} is invalid; expected 'raise' or 'rollback'")
 
     @property
     def snapshots(self) -> int | str | None:

@@ -72,3 +72,38 @@ class InjectWorkerFailure(TrainerCallback):
         # upload that report() started in the background is still in flight: its report never arrives.
         if self._kill_after_report:
             os._exit(1)
+
+
+CORRUPTION_MARKER = ".hf_lowzero_corruption_injected"
+
+
+class InjectCorruption(TrainerCallback):
+    """Flips one bit of the last rank's reduced gradients of the first bucket, once, at ``step``, on
+    the first attempt that reaches it (a marker file in the run's storage folder remembers it): a
+    transient hardware fault, for demos and tests of the integrity checks (``hf_lowzero.zero.faults``).
+    With ``verify_every=1`` the check of ``step`` catches it; with ``on_mismatch="rollback"`` the
+    restart resumes from the snapshot before it and ends as the run without the fault."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        self.step = step
+        self.marker = run_dir / CORRUPTION_MARKER
+        self._injecting = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from hf_lowzero.zero.faults import Fault, inject
+
+        due = not self.marker.exists() and state.global_step < self.step
+        dist.barrier()  # every rank checked the marker before it appears
+        if due and dist.get_rank() == dist.get_world_size() - 1:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"a bit of rank {dist.get_rank()}'s reduced gradients flips at step {self.step}\n")
+            logger.warning(
+                "[hf_lowzero] injecting a corruption: rank %d's reduced gradients, step %d", dist.get_rank(), self.step
+            )
+            self._injecting = inject(Fault("flip", rank=dist.get_rank(), step=self.step, bucket=0, bit=28))
+            self._injecting.__enter__()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._injecting is not None:
+            self._injecting.__exit__(None, None, None)
+            self._injecting = None

@@ -22,6 +22,9 @@ Example (inside a Ray Train worker)::
 # one per snapshot on a holder whose CPU training may need, and a piece that fails sends every rank
 # to storage together (``restore.py``), never into a restart loop. A holder keeps the newest
 # complete snapshot and anything newer in progress, and drops the rest as soon as a newer one completes.
+# When the run checks its integrity, each mark says whether the step passed its checks; only those
+# snapshots are rollback points ([Note: rollback] in ``integrity.py``), so the newest complete one
+# that passed is kept until a newer one that passed completes.
 
 # [Note: holder lifetime]
 # A holder is detached: it must outlive the worker group that created it, through every restart.
@@ -90,7 +93,9 @@ class SnapshotHolder:
         self._pieces: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}
         self._marks: dict[int, set[int]] = {}
         self._worlds: dict[int, int] = {}
+        self._verified: dict[int, bool | None] = {}
         self._complete: int | None = None
+        self._kept: int | None = None  # the oldest step held on purpose: the newest complete one that may be restored
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
@@ -106,16 +111,22 @@ class SnapshotHolder:
                 self._pieces[(step, manifest["rank"])] = (manifest, payload)
         return None
 
-    def mark(self, step: int, rank: int, world_size: int) -> None:
-        """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete snapshot])."""
+    def mark(self, step: int, rank: int, world_size: int, verified: bool | None = None) -> None:
+        """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete
+        snapshot]); ``verified``: the step passed its integrity checks (None: the run checks none)."""
         with self._lock:
             self._marks.setdefault(step, set()).add(rank)
             self._worlds[step] = world_size
+            self._verified[step] = verified
             if len(self._marks[step]) == world_size and (self._complete is None or step > self._complete):
                 self._complete = step
-                self._pieces = {key: v for key, v in self._pieces.items() if key[0] >= step}
-                self._marks = {s: m for s, m in self._marks.items() if s >= step}
-                self._worlds = {s: w for s, w in self._worlds.items() if s >= step}
+                if verified is not False:  # a rollback point: older snapshots are no longer needed
+                    self._kept = step
+                keep = self._kept if self._kept is not None else step
+                self._pieces = {key: v for key, v in self._pieces.items() if key[0] >= keep}
+                self._marks = {s: m for s, m in self._marks.items() if s >= keep}
+                self._worlds = {s: w for s, w in self._worlds.items() if s >= keep}
+                self._verified = {s: v for s, v in self._verified.items() if s >= keep}
 
     def index(self) -> dict[str, Any]:
         """What this holder knows: per step, the world size, the ranks that marked it and the ranks

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from hf_lowzero.ray.elastic import RecordWorldSize
+from hf_lowzero.ray.integrity import guard_train
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
 from hf_lowzero.ray.restore import newest_state
 from hf_lowzero.ray.snapshot_plan import check_every
@@ -51,6 +52,11 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
     of the newest complete snapshot and the newest storage checkpoint. Add ``ReleaseSnapshots()`` to
     the ``TorchTrainer``'s ``RunConfig(callbacks=[...])`` so that a run that fails for good frees
     them at once (else when its driver exits; one that ends normally frees them itself).
+
+    With ZeRO, ``train`` is guarded ([Note: rollback] in ``integrity.py``): an integrity failure is
+    recorded in the run's storage with the nodes of the ranks it names; with
+    ``zero_on_mismatch="rollback"`` the restart resumes from the newest verified memory snapshot, and
+    a fault that repeats on one node stops the run there, naming it.
 
     Raises ``RuntimeError`` outside a Ray Train worker (call it inside the training function) or
     when the trainer's world does not match the worker group's, and ``ValueError`` when the trainer
@@ -92,6 +98,8 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
         return trainer
     trainer.add_callback(ReportShardedCheckpoints(upload))
     trainer.add_callback(RecordWorldSize())
+    if getattr(trainer, "zero_enabled", False):
+        guard_train(trainer)  # [Note: rollback] in integrity.py
     if snapshot_every is not None:
         snapshots = MemorySnapshots(snapshot_every)
         snapshots.setup()

@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 from hf_lowzero.ray.attempts import record_attempt
 from hf_lowzero.ray.config import RayFinetuneConfig
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
-from hf_lowzero.ray.faults import InjectWorkerFailure
+from hf_lowzero.ray.faults import InjectCorruption, InjectWorkerFailure
 from hf_lowzero.ray.holder import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
@@ -150,9 +150,11 @@ def train_loop_per_worker(
     trainer = clm_trainer(config.clm_arguments(), args, printer=ConsoleProgress(attempt))
     snapshots = config.snapshots if trainer.args.zero_stage > 0 else None  # auto may have picked stage 0 (DDP)
     prepare_trainer(trainer, upload=config.checkpoint_upload, snapshot_every=snapshots)
+    run_dir = Path(config.storage_path) / config.name
     if config.inject_failure_at_step:
-        run_dir = Path(config.storage_path) / config.name
         trainer.add_callback(InjectWorkerFailure(config.inject_failure_at_step, run_dir))
+    if config.inject_corruption_at_step:
+        trainer.add_callback(InjectCorruption(config.inject_corruption_at_step, run_dir))
     for callback in trainer_callbacks:
         trainer.add_callback(callback)
     try:

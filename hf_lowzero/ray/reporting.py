@@ -47,6 +47,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from transformers import TrainerCallback
 
 from hf_lowzero.checkpoint.layout import owner_rank
+from hf_lowzero.ray.integrity import rollback_metrics
 from hf_lowzero.ray.restore import last_resume
 
 UPLOAD_MODES = {"async": CheckpointUploadMode.ASYNC, "sync": CheckpointUploadMode.SYNC}
@@ -60,7 +61,10 @@ class ReportShardedCheckpoints(TrainerCallback):
     Every report carries the last logged metrics, ``step``, and this attempt's ``world_size``,
     ``global_batch_size`` and ``resumed_from_step`` (0: started fresh), and after
     ``resume_checkpoint()`` ``resumed_from`` ("memory", "storage" or "none") and
-    ``newest_storage_step`` (the newest storage checkpoint's step then). ``checkpoint_wait_s`` sums
+    ``newest_storage_step`` (the newest storage checkpoint's step then); with ZeRO
+    ``integrity_checks`` (verify steps this attempt), ``integrity_failures`` (the run's, every
+    attempt's) and ``rolled_back_to`` (the step this attempt resumed at after an integrity failure,
+    0 if none: [Note: rollback] in ``integrity.py``). ``checkpoint_wait_s`` sums
     the seconds this attempt's training spent staging and in ``ray.train.report`` for its
     checkpoints (``benchmarks/ray_report.py`` compares the upload modes)."""
 
@@ -73,13 +77,16 @@ class ReportShardedCheckpoints(TrainerCallback):
         self._attempt: dict[str, int] = {}
         self.checkpoint_wait_s = 0.0
         self.checkpoints_reported = 0
+        self._optimizer = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         world = dist.get_world_size()
         resumed = last_resume()
+        self._optimizer = kwargs.get("optimizer")
         self._attempt = {  # state is restored by now: global_step is where this attempt resumed
             "resumed_from_step": state.global_step,
             **(resumed.metrics() if resumed is not None else {}),
+            **(rollback_metrics(state.global_step) if getattr(args, "zero_stage", 0) else {}),
             "world_size": world,
             "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
         }
@@ -110,7 +117,11 @@ class ReportShardedCheckpoints(TrainerCallback):
         ray.train.report({**self._metrics(state), "train_end": True})
 
     def _metrics(self, state) -> dict[str, float]:
-        return {**self._last_logs, **self._attempt, "step": state.global_step}
+        checks = {}
+        integrity = getattr(getattr(self._optimizer, "optimizer", self._optimizer), "integrity", None)
+        if integrity is not None:
+            checks = {"integrity_checks": integrity.checks}
+        return {**self._last_logs, **self._attempt, **checks, "step": state.global_step}
 
 
 def stage_owned_files(source: Path, target: Path, rank: int) -> list[Path]:

@@ -138,6 +138,7 @@ def _decide(storage_step: int, nodes: list[str]) -> tuple[_Plan | None, str | No
             continue  # its node is gone
     marked: dict[int, set[int]] = {}
     worlds: dict[int, int] = {}
+    failed: set[int] = set()  # steps whose integrity checks did not pass: never restored
     held: dict[int, dict[int, list[str]]] = {}  # step -> piece rank -> holders
     for name, index in indexes.items():
         for step, info in index["steps"].items():
@@ -145,9 +146,13 @@ def _decide(storage_step: int, nodes: list[str]) -> tuple[_Plan | None, str | No
             marked.setdefault(step, set()).update(info["marked"])
             if info["world_size"]:
                 worlds[step] = info["world_size"]
+            if info.get("verified") is False:
+                failed.add(step)
             for piece_rank in info["pieces"]:
                 held.setdefault(step, {}).setdefault(piece_rank, []).append(name)
-    complete = [s for s in marked if s in worlds and marked[s] == set(range(worlds[s]))]
+    complete = [
+        s for s in marked if s in worlds and marked[s] == set(range(worlds[s])) and s not in failed
+    ]  # [Note: rollback] in integrity.py
     if not complete:
         return None, None
     step = max(complete)

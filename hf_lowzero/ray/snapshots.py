@@ -103,6 +103,9 @@ class MemorySnapshots(TrainerCallback):
         self._last_step = step
         if step < trainer.state.max_steps and self.schedule.due(step):
             self._take(trainer, step, now)
+        integrity = trainer.zero_optimizer.integrity
+        if integrity.enabled and self.schedule.due(step + 1):
+            integrity.request(step + 1)  # only snapshots of verified steps are rollback points
         self._last_time = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -160,7 +163,9 @@ class MemorySnapshots(TrainerCallback):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_lowzero_snapshot")
         staged = self._stager.stage(step)
         fields = trainer_manifest(trainer, include_state=self.rank == 0)
-        future = self._executor.submit(self._send, staged, fields)
+        integrity = trainer.zero_optimizer.integrity
+        verified = integrity.last_verified == step if integrity.enabled else None  # the same on every rank
+        future = self._executor.submit(self._send, staged, fields, verified)
         interval = self._agree(self.schedule.proposed_interval())
         if self.schedule.auto and self.rank == 0 and interval != self.schedule.interval and self.schedule.cost_s:
             logger.info(
@@ -184,8 +189,9 @@ class MemorySnapshots(TrainerCallback):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def _send(self, staged: Staged, fields: dict) -> None:
-        """Background thread: encode, land on both holders, then mark ([Note: complete snapshot])."""
+    def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> None:
+        """Background thread: encode, land on both holders, then mark ([Note: complete snapshot]);
+        ``verified``: the step passed its integrity checks (None: the run does not check)."""
         piece = staged.encode(**fields)
         payload = ray.put(piece.payload)  # one copy in the object store serves both holders
         manifest = json.dumps(piece.manifest)
@@ -195,7 +201,7 @@ class MemorySnapshots(TrainerCallback):
             raise SnapshotError(f"a holder refused the piece of rank {self.rank}: {errors[0]}")
         if self.fault is not None and self.fault[0] == piece.step:
             self.fault[1]()
-        ray.get([h.mark.remote(piece.step, self.rank, self.world_size) for h in self._holders])
+        ray.get([h.mark.remote(piece.step, self.rank, self.world_size, verified) for h in self._holders])
 
     def _announce(self, staged: Staged) -> None:
         """Rank 0's console line: the interval and what snapshots cost in memory per node."""

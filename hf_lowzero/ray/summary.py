@@ -47,6 +47,7 @@ class RunSummary:
             ),
             ("wall time", f"{self.wall_time_s:.1f} s"),
             ("restarts survived", self._restarts()),
+            *([("integrity", self._integrity())] if "integrity_checks" in metrics else []),
             ("checkpoint", self.trainer_checkpoint or "-"),
             (
                 "model",
@@ -54,6 +55,17 @@ class RunSummary:
             ),
         ]
         return "\n".join([HEADER] + [f"{key:<18} {value}" for key, value in rows])
+
+    def _integrity(self) -> str:
+        """``12 checks in the last attempt, 1 failure (rolled back to step 14)``."""
+        metrics = self.result.metrics or {}
+        text = f"{metrics['integrity_checks']} checks in the last attempt"
+        failures = metrics.get("integrity_failures", 0)
+        if failures:
+            text += f", {failures} failure{'s' * (failures > 1)}"
+            if metrics.get("rolled_back_to"):
+                text += f" (rolled back to step {metrics['rolled_back_to']})"
+        return text
 
     def _restarts(self) -> str:
         """``1 (resumed from memory, step 15; newest storage checkpoint 10)``: where the last restart resumed."""

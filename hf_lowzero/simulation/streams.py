@@ -28,8 +28,8 @@ Example::
 #   stream, later; with pageable memory it is done when the call returns (CUDA stages it).
 # - An NCCL collective runs on NCCL's stream, which first waits for the current stream; its work
 #   handle's ``wait()`` makes the current stream wait for it.
-# Each storage remembers its last writer and the readers since; a read must see the last write, a
-# write must also see every read since. Storages are whole tensors' memory: ranges are not tracked.
+# Each storage remembers, per byte range, who wrote it last and who read it since; a read must see
+# the writes it overlaps, a write also the reads. A view's range is the span its elements cover.
 # Not modelled: the caching allocator's reuse of freed memory (``record_stream``'s concern).
 """
 
@@ -74,8 +74,7 @@ class FakeEvent:
 @dataclass
 class _Access:
     storage: weakref.ref  # the storage this history belongs to (an address can be reused once it is freed)
-    last_write: tuple | None = None  # (context, time, what)
-    reads: dict = field(default_factory=dict)  # context -> (time, what)
+    records: list = field(default_factory=list)  # (start, end, context, time, what, write), byte ranges
 
 
 class AccessChecker(TorchDispatchMode):
@@ -139,15 +138,35 @@ class AccessChecker(TorchDispatchMode):
         time = self._tick(key)
         clock = self._clock(key)
         self.accesses += 1
-        written = {_storage(t): t for t in writes if _tracked(t)}
         for t in reads:
-            if _tracked(t) and _storage(t) not in written:
-                state = self._history(t)
-                self._check(state, key, clock, what, write=False)
-                state.reads[key] = (time, what)
-        for storage, t in written.items():
-            self._check(self._history(t), key, clock, what, write=True)
-            self.storages[storage] = _Access(weakref.ref(t.untyped_storage()), last_write=(key, time, what))
+            if _tracked(t):
+                self._touch(t, key, clock, time, what, write=False)
+        for t in writes:
+            if _tracked(t):
+                self._touch(t, key, clock, time, what, write=True)
+
+    def _touch(self, t: torch.Tensor, key, clock: dict, time: int, what: str, write: bool) -> None:
+        state = self._history(t)
+        start, end = _span(t)
+        kept = []
+        for record in state.records:
+            r_start, r_end, ctx, r_time, r_what, r_write = record
+            overlaps = r_start < end and start < r_end
+            if overlaps and (write or r_write) and ctx != key and clock.get(ctx, 0) < r_time:
+                action = "writes" if write else "reads"
+                raise RaceError(
+                    f"{_name(key)} {action} memory that {_name(ctx)} accessed ({r_what}) without waiting for it: "
+                    f"{what} could run before that access completes on a real GPU. Order it with an event "
+                    "(hf_lowzero.zero.device: record_event, stream_waits, host_waits)."
+                )
+            # A write supersedes what it covers (everything after it is checked against it); a read
+            # supersedes this context's earlier reads of the range.
+            covered = start <= r_start and r_end <= end
+            if covered and (write or (ctx == key and not r_write)):
+                continue
+            kept.append(record)
+        kept.append((start, end, key, time, what, write))
+        state.records = kept
 
     def _history(self, t: torch.Tensor) -> _Access:
         storage = t.untyped_storage()
@@ -155,19 +174,6 @@ class AccessChecker(TorchDispatchMode):
         if state is None or state.storage() is not storage:  # none yet, or a freed storage's address
             state = self.storages[storage._cdata] = _Access(weakref.ref(storage))
         return state
-
-    def _check(self, state: _Access, key, clock: dict, what: str, write: bool) -> None:
-        earlier = [state.last_write] if state.last_write is not None else []
-        if write:
-            earlier += [(ctx, t, w) for ctx, (t, w) in state.reads.items()]
-        for ctx, time, other in earlier:
-            if ctx != key and clock.get(ctx, 0) < time:
-                kind = "writes" if write else "reads"
-                raise RaceError(
-                    f"{_name(key)} {kind} memory that {_name(ctx)} accessed ({other}) without waiting for it: {what} "
-                    "could run before that access completes on a real GPU. Order it with an event "
-                    "(hf_lowzero.zero.device: record_event, stream_waits, host_waits)."
-                )
 
     # ------------------------------------------------------------------ the dispatch mode
 
@@ -307,6 +313,16 @@ def _is_view(func) -> bool:
     """An op whose outputs alias its inputs without writing them (``view``, ``slice``, ``detach``)."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` covers: from its first element to its last."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    if t.numel() == 0:
+        return start, start
+    extent = 1 + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
+    return start, start + extent * size
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -14,8 +14,10 @@ With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
 - the optimizer Trainer builds (or the one given in ``optimizers=``) is wrapped, and rebuilt for
   every new model (``model_init``, ``hyperparameter_search``); an OOM retry starts from a clean one;
 - stage 1 uses ``no_sync()`` for non-final micro-batches, stage 2 reduces every micro-batch;
-- the logged ``grad_norm`` is the true global norm; ``loss_scale`` and ``skipped_steps`` are
-  logged too; a skipped step does not advance the LR schedule;
+- the logged ``grad_norm`` is the true global norm; ``loss_scale``, ``skipped_steps`` and (with
+  more than one rank) ``integrity_checks`` are logged too; a skipped step does not advance the LR
+  schedule; a failed integrity check raises ``IntegrityError`` before the update, so no checkpoint
+  holds that state (``zero_verify_every``, ``zero_on_mismatch``);
 - every rank's optimizer shard is saved into ``checkpoint-N/zero_optimizer`` (trainable state
   only: the Trainer saves the model) and resumed at the same or another world size; checkpoint
   names are the uncompiled model's.
@@ -111,7 +113,9 @@ class LowZeroTrainer(Trainer):
         return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def _zero_backward(self, loss: torch.Tensor, **kwargs) -> None:
-        # Scales fp16 losses, and synchronizes even where no param got a gradient.
+        # Scales fp16 losses, and synchronizes even where no param got a gradient. Integrity checks
+        # number steps as the Trainer does (a resumed run goes on counting from its checkpoint).
+        self.zero_optimizer.integrity.step = self.state.global_step + 1
         self.zero_optimizer.backward(loss, **kwargs)
 
     def _zero_no_sync(self, model=None):
@@ -165,6 +169,8 @@ class LowZeroTrainer(Trainer):
         if self.zero_enabled and self.zero_optimizer is not None and "loss" in logs:
             logs["loss_scale"] = self.zero_optimizer.loss_scale
             logs["skipped_steps"] = self.zero_optimizer.skipped_steps
+            if self.zero_optimizer.integrity.enabled:
+                logs["integrity_checks"] = self.zero_optimizer.integrity.checks
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------ checkpoints

@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from hf_lowzero.zero import comm, faults
 from hf_lowzero.zero.buckets import Bucket
@@ -92,7 +93,7 @@ class _Record:
 
     bucket: Bucket
     local: torch.Tensor  # [W * m * P + W * m] float64: dots per (destination, param, probe), norms
-    own_bits: torch.Tensor | None  # the signs' bits over this rank's chunk
+    seed: int  # of the signs (the step and the reduction's place in it: the same on every rank)
     own: torch.Tensor | None = None  # [m * P] float64: dots of the reduced rows
 
 
@@ -137,6 +138,7 @@ class IntegrityChecker:
         self._step_started: float | None = None
         self._step_seconds: float | None = None
         self._finding: Finding | None = None
+        self._segment_ends: dict[tuple[int, bool], torch.Tensor] = {}
         self.last_nonfinite: list[tuple[int, str]] = []  # (rank, parameter) of the newest verify step
 
     # ------------------------------------------------------------------------ the schedule
@@ -184,8 +186,9 @@ class IntegrityChecker:
         record = self._pending.pop(bucket.index, None)
         if record is not None:
             start = time.perf_counter()
-            lengths = self._lengths(bucket)[self.rank]
-            record.own = self._signed_sums(rows, record.own_bits, lengths, self._probes(bucket))[0].flatten()
+            offset = sum(bucket.chunks[: self.rank])  # where this rank's chunk sits in the packed bucket
+            sums, _ = _segment_sums(rows, offset, self._ends(bucket, own=True), self._probes(bucket), record.seed)
+            record.own = sums.flatten()
             self._spent += time.perf_counter() - start
 
     def _probes(self, bucket: Bucket) -> int:
@@ -197,34 +200,20 @@ class IntegrityChecker:
 
     def _local(self, bucket: Bucket, flat: torch.Tensor) -> _Record:
         probes = self._probes(bucket)
-        generator = torch.Generator(device="cpu").manual_seed(_seed(self.step, len(self._records)))
-        bits = torch.randint(0, 1 << probes, (flat.numel(),), dtype=torch.int32, generator=generator)
-        bits = bits.to(flat.device)
-        lengths = self._lengths(bucket)
-        flat_lengths = [n for per_rank in lengths for n in per_rank]
-        sums, norms = self._signed_sums(flat, bits, flat_lengths, probes, with_norms=True)
-        start = sum(bucket.chunks[: self.rank])
-        own_bits = bits[start : start + bucket.chunks[self.rank]]
-        return _Record(bucket, torch.cat([sums.flatten(), norms]), own_bits)
+        seed = _seed(self.step, len(self._records))
+        sums, norms = _segment_sums(flat, 0, self._ends(bucket, own=False), probes, seed, with_norms=True)
+        return _Record(bucket, torch.cat([sums.flatten(), norms]), seed)
 
-    @staticmethod
-    def _signed_sums(values: torch.Tensor, bits: torch.Tensor, lengths: list[int], probes: int, with_norms=False):
-        """Per segment (consecutive runs of ``lengths``), the dot of ``values`` with each of
-        ``probes`` sign vectors (bit p of ``bits``: +1, else -1), [segments, P] float64, and with
-        ``with_norms`` each segment's L2 norm."""
-        segments = len(lengths)
-        index = torch.repeat_interleave(
-            torch.arange(segments, device=values.device), torch.tensor(lengths, device=values.device)
-        )
-        wide = values.to(torch.float64)
-        sums = torch.zeros(segments, probes, dtype=torch.float64, device=values.device)
-        for p in range(probes):
-            signed = torch.where((bits & (1 << p)) != 0, wide, -wide)
-            sums[:, p].index_add_(0, index, signed)
-        if not with_norms:
-            return sums, None
-        norms = torch.zeros(segments, dtype=torch.float64, device=values.device).index_add_(0, index, wide * wide)
-        return sums, norms.sqrt()
+    def _ends(self, bucket: Bucket, own: bool) -> torch.Tensor:
+        """Where each segment (param piece) ends: over the packed bucket (per destination rank, per
+        param) or over this rank's chunk. Made once per bucket on the device: no copy from the
+        host, so no wait for the device, on a verify step."""
+        key = (bucket.index, own)
+        if key not in self._segment_ends:
+            lengths = self._lengths(bucket)
+            flat = lengths[self.rank] if own else [n for per_rank in lengths for n in per_rank]
+            self._segment_ends[key] = torch.tensor(flat, dtype=torch.int64).cumsum(0).to(self.device)
+        return self._segment_ends[key]
 
     # ------------------------------------------------------------------------ the verdict
 
@@ -237,19 +226,21 @@ class IntegrityChecker:
         start = time.perf_counter()
         parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
         parts += [self._hashes.view(torch.float64).flatten().to(self.device)]
-        parts += [torch.tensor([float(self._proposal())], dtype=torch.float64, device=self.device)]
+        parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]
         payload = torch.cat([p.to(self.device) for p in parts])
         gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.float64, device=self.device)
         comm.all_gather(gathered, payload, self.group)
         self.bytes_gathered += gathered.numel() * 8
         table = gathered.view(self.world_size, -1).cpu()
-        finding = self._finding = self._judge(table)
+        # A simulation on fake tensors (hf_lowzero.simulation) runs the checks' work and collective;
+        # there is no data to judge.
+        finding = self._finding = Finding(self.step) if is_fake(table) else self._judge(table)
         self.last_nonfinite = list(dict.fromkeys(finding.nonfinite))
         self.checks += 1
         self._spent += time.perf_counter() - start
         self.verify_seconds += self._spent
         proposals = table[:, -1]
-        if self.every == VERIFY_AUTO:
+        if self.every == VERIFY_AUTO and not is_fake(table):
             self.interval = int(min(MAX_INTERVAL, max(1, proposals.max().item())))
         self._next = self.step + self.interval
         if finding.mismatches:
@@ -374,15 +365,52 @@ class IntegrityChecker:
 
 
 def _hash(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of ``t``'s bit patterns (words, squared words), on its device."""
+    """Two int64 sums of ``t``'s bit patterns (words, squared words; wrapping), on its device, by
+    windows (a 2 GiB embedding needs no 4 GiB of int64 scratch)."""
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    wide = words.to(torch.int64)
-    return torch.stack([wide.sum(), (wide * wide).sum()])
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for a in range(0, words.numel(), 4 * WINDOW):
+        wide = words[a : a + 4 * WINDOW].to(torch.int64)
+        total += torch.stack([wide.sum(), (wide * wide).sum()])
+    return total
 
 
 def _seed(step: int, reduction: int) -> int:
-    return (step * 1_000_003 + reduction * 7919 + 12345) % (2**63 - 1)
+    return (step * 1_000_003 + reduction * 7919 + 12345) % (2**31)
+
+
+WINDOW = 1 << 18  # elements processed at once: bounds the checks' scratch (~20 MiB at 8 probes), whatever the bucket
+
+
+def _signs(positions: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random sign bits of packed ``positions`` (int64; bit p + 7: probe p's sign is +1), from
+    ``seed``: a counter-based hash (splitmix64's finalizer) of the position, so any window of the
+    bucket gets the same bits on every rank without a generator or a bucket-sized buffer."""
+    x = positions + seed * 0x9E3779B9
+    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: wraps, as splitmix64 does
+    x = x ^ (x >> 30)
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+def _segment_sums(values: torch.Tensor, offset: int, ends: torch.Tensor, probes: int, seed: int, with_norms=False):
+    """Per segment (``values`` split at the positions ``ends``; ``values`` sits at packed position
+    ``offset``): the dot with each probe's signs, ``[segments, probes]`` float64, and with
+    ``with_norms`` the L2 norms. By windows of WINDOW elements, so the scratch stays small; each
+    segment sums only its own elements (float64), so a small segment's error is its own."""
+    device = values.device
+    acc = torch.zeros(ends.numel(), probes + 1, dtype=torch.float64, device=device)
+    for a in range(0, values.numel(), WINDOW):
+        b = min(a + WINDOW, values.numel())
+        wide = values[a:b].to(torch.float64)
+        positions = torch.arange(a, b, dtype=torch.int64, device=device)
+        bits = _signs(positions + offset, seed)
+        columns = [torch.where((bits >> (p + 7)) & 1 == 1, wide, -wide) for p in range(probes)] + [wide * wide]
+        acc.index_add_(0, torch.searchsorted(ends, positions, right=True), torch.stack(columns, dim=1))
+    return acc[:, :probes], (acc[:, probes].clamp(min=0).sqrt() if with_norms else None)
