@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-targets", default=None, help="comma-separated module names for LoRA (peft's default)")
     parser.add_argument("--ref-model", action="store_true", help="a frozen reference model too (DPO, GRPO)")
     parser.add_argument("--reserve", type=float, default=0.10, help="fraction of device memory kept free (0.10)")
+    parser.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="nccl: plan GPUs (simulated on fake CUDA devices; default); gloo: plan CPU ranks",
+    )
     parser.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     own, rest = parser.parse_known_args(argv)
 
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_targets=targets,
             ref_model=own.ref_model,
             reserve=own.reserve,
+            backend=own.backend,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -383,7 +383,7 @@ def _seed(step: int, reduction: int) -> int:
     return (step * 1_000_003 + reduction * 7919 + 12345) % (2**31)
 
 
-WINDOW = 1 << 18  # elements processed at once: bounds the checks' scratch (~20 MiB at 8 probes), whatever the bucket
+WINDOW = 1 << 17  # elements processed at once: bounds the checks' scratch (~20 MiB at 8 probes), whatever the bucket
 
 
 def _signs(positions: torch.Tensor, seed: int) -> torch.Tensor:
