@@ -171,16 +171,18 @@ def test_a_killed_process_resumes_from_its_own_nodes_memory_unseen_by_other_runs
                                                                                    tmp_path):  # fmt: skip
     with_slots(cluster, 2)
     decoy = decoy_holder(cluster.slot_nodes[0].node_id)
-    result = build_trainer(config("process", tmp_path, no_dropout_model, inject_failure_at_step=KILL_AT)).fit()
-    # Killed at the end of step KILL_AT, before its snapshot: step KILL_AT - 1's, from its own node.
-    m = result.metrics
-    assert (m["resumed_from"], m["resumed_from_step"], m["newest_storage_step"]) == ("memory", KILL_AT - 1, SAVE)
-    assert m["memory_pieces_from_other_nodes"] == 0
-    assert_like_uninterrupted(result, clean)
-    assert ray.get(decoy.index.remote())["steps"] == {
-        999: {"world_size": 1, "marked": [0], "pieces": [0], "verified": None}
-    }
-    ray.kill(decoy)
+    try:
+        result = build_trainer(config("process", tmp_path, no_dropout_model, inject_failure_at_step=KILL_AT)).fit()
+        # Killed at the end of step KILL_AT, before its snapshot: step KILL_AT - 1's, from its own node.
+        m = result.metrics
+        assert (m["resumed_from"], m["resumed_from_step"], m["newest_storage_step"]) == ("memory", KILL_AT - 1, SAVE)
+        assert m["memory_pieces_from_other_nodes"] == 0
+        assert_like_uninterrupted(result, clean)
+        assert ray.get(decoy.index.remote())["steps"] == {
+            999: {"world_size": 1, "marked": [0], "pieces": [0], "verified": None}
+        }
+    finally:
+        ray.kill(decoy)
     assert_no_holders_left()
 
 
@@ -297,8 +299,8 @@ class CorruptEveryAttempt(TrainerCallback):
 def test_a_fault_that_repeats_on_one_node_stops_the_run_and_names_it(cluster, no_dropout_model, tmp_path):
     with_slots(cluster, 2)
     run = config("repeats", tmp_path, no_dropout_model, verify_every=1, on_mismatch="rollback", max_failures=1)
-    result = build_trainer(run, trainer_callbacks=[CorruptEveryAttempt(KILL_AT)]).fit()
-    assert result.error is not None
-    message = str(result.error)
+    with pytest.raises(ray.train.TrainingFailedError) as failed:
+        build_trainer(run, trainer_callbacks=[CorruptEveryAttempt(KILL_AT)]).fit()
+    message = str(failed.value)
     assert "failed a check before: rank(s) [1] on node(s)" in message and "Leave those nodes out" in message, message
     assert_no_holders_left()

@@ -130,7 +130,8 @@ class SnapshotHolder:
 
     def index(self) -> dict[str, Any]:
         """What this holder knows: per step, the world size, the ranks that marked it and the ranks
-        whose pieces it holds; and the bytes it holds."""
+        whose pieces it holds, and whether the step passed its integrity checks (None: not checked);
+        and the bytes it holds."""
         with self._lock:
             steps = set(self._marks) | {step for step, _ in self._pieces}
             return {
@@ -141,6 +142,7 @@ class SnapshotHolder:
                         "world_size": self._worlds.get(step),
                         "marked": sorted(self._marks.get(step, ())),
                         "pieces": sorted(rank for s, rank in self._pieces if s == step),
+                        "verified": self._verified.get(step),
                     }
                     for step in steps
                 },
