@@ -81,6 +81,7 @@ class Finding:
 
     step: int
     mismatches: list[str] = field(default_factory=list)
+    groups: list[tuple] = field(default_factory=list)  # per mismatch: alike ones are reported together
     ranks: list[int] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
@@ -246,7 +247,7 @@ class IntegrityChecker:
         if finding.mismatches:
             self.failures += 1
             raise IntegrityError(
-                f"integrity check failed at step {finding.step}: " + "; ".join(finding.mismatches),
+                f"integrity check failed at step {finding.step}: " + "; ".join(_summary(finding)),
                 finding.step,
                 sorted(set(finding.ranks)),
                 list(dict.fromkeys(finding.names)),
@@ -341,6 +342,7 @@ class IntegrityChecker:
             f"bucket {bucket.index}, parameter {name!r} (rows of rank {owner}): {what}; residual "
             f"{residual.abs().max().item():.3g} against a bound of {bound:.3g}"
         )
+        finding.groups.append((bucket.index, what))
         finding.ranks.append(rank)
         finding.names.append(name)
         finding.kinds.append("reduction")
@@ -359,9 +361,21 @@ class IntegrityChecker:
                 f"parameter {name!r} differs across replicas: rank(s) {odd} disagree with "
                 + ("each other (no majority)" if len(agreed) > 1 else "the majority")
             )
+            finding.groups.append(("replica", tuple(odd), len(agreed) > 1))
             finding.ranks += odd
             finding.names.append(name)
             finding.kinds.append("replica")
+
+
+def _summary(finding: Finding) -> list[str]:
+    """One entry per kind of mismatch (a bucket and what explains it, or the ranks a replica
+    disagrees with): its first parameter in full, and how many more are alike (``.names`` has them all)."""
+    first: dict[tuple, str] = {}
+    count: dict[tuple, int] = {}
+    for group, text in zip(finding.groups, finding.mismatches):
+        first.setdefault(group, text)
+        count[group] = count.get(group, 0) + 1
+    return [text + (f" (and {count[g] - 1} more alike)" if count[g] > 1 else "") for g, text in first.items()]
 
 
 def _hash(t: torch.Tensor) -> torch.Tensor:
