@@ -2,6 +2,7 @@
 
     python benchmarks/recovery.py                 # ~15 min on a 2-core CPU machine
     python benchmarks/recovery.py --rounds 1 --overhead-steps 30   # shorter, noisier
+    python benchmarks/recovery.py --before 7494209                  # also the code of a commit, interleaved
 
 Everything runs in one invocation on a local multi-node Ray cluster (``ray.cluster_utils.Cluster``:
 a head node and two worker nodes of one worker slot each, so each rank has a node of its own), with
@@ -12,7 +13,11 @@ vocabulary, dropout off), 2 workers, ZeRO-2, AdamW, gloo.
    ``--rounds`` rounds (off, 1, 2, ..., auto, off, 1, ...), no storage checkpoint within the measured
    steps. Each run's time per step is the mean over its steps after the first WARMUP (a snapshot
    every N steps costs once per N steps); the overhead of a setting is its step time over the same
-   round's "off" run, minus 1 (median over rounds, with the smallest and largest).
+   round's "off" run, minus 1 (median over rounds, with the smallest and largest). The same for the
+   main job's model (``ray_jobs/finetune.py``'s tiny GPT-2, a 0.7 MiB shard per rank) with off, 1
+   and auto: a snapshot's cost is the step time at ``snapshot_every=1`` minus the step time without.
+   With ``--before REF`` every run is also made with the library as it was at git commit REF (a
+   worktree of it is what the Ray workers import), interleaved with today's code in each round.
 2. **A failure between two storage checkpoints** (``save_steps=20``, failure after step 37 of 40):
    - process kill from memory: rank 1's process dies (``InjectWorkerFailure``), snapshots every step;
    - node kill from buddies: rank 1's node is removed and a fresh node added, snapshots every step;
@@ -32,6 +37,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +58,7 @@ from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
 
 WARMUP = 5
 SETTINGS = ["off", 1, 2, 5, 10, "auto"]
+MAIN_JOB_SETTINGS = ["off", 1, "auto"]
 SAVE_STEPS, FAIL_AT, FAIL_STEPS = 20, 37, 40
 
 
@@ -131,47 +138,62 @@ def fit(config: RayFinetuneConfig, callbacks: list, cluster=None, signal: Path |
         return run.result()
 
 
-def overhead_rows(a, common: dict, work: Path) -> tuple[list[dict], dict]:
+def use_code(cluster, root: str) -> None:
+    """Connect to ``cluster`` with Ray workers that import hf_lowzero from ``root``."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+
+
+def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, work: Path) -> tuple[list[dict], dict]:
+    """For each model (its settings and config fields) and each code (name: source root), the
+    overhead of each setting against the same round's run without snapshots."""
     runs = []
     for r in range(a.rounds):
-        for setting in SETTINGS:
-            log = work / f"overhead_{r}_{setting}.jsonl"
-            every = None if setting == "off" else setting
-            config = RayFinetuneConfig(**common, name=f"overhead_{r}_{setting}", snapshot_every=every,
-                                       max_steps=a.overhead_steps, save_steps=a.overhead_steps)  # fmt: skip
-            result = fit(config, [StepClock(log)])
-            if result.error:
-                raise RuntimeError(f"{config.name} failed: {result.error}")
-            records = read_log(log)
-            end = next((x for x in records if x["event"] == "train_end"), {})
-            runs.append(
-                {
-                    "round": r,
-                    "setting": str(setting),
-                    "ms_per_step": step_ms(records),
-                    "snapshots": end.get("snapshots", 0),
-                    "stopped_ms": end.get("stopped_ms_per_snapshot", 0.0),
-                }
-            )
-            print(runs[-1], flush=True)
+        for model, spec in models.items():
+            for setting in spec["settings"]:
+                for code, root in codes.items():
+                    use_code(cluster, root)
+                    log = work / f"overhead_{r}_{model}_{code}_{setting}.jsonl"
+                    every = None if setting == "off" else setting
+                    config = RayFinetuneConfig(**spec["config"], name=f"overhead_{r}_{model}_{code}_{setting}",
+                                               snapshot_every=every, max_steps=a.overhead_steps,
+                                               save_steps=a.overhead_steps)  # fmt: skip
+                    result = fit(config, [StepClock(log)])
+                    if result.error:
+                        raise RuntimeError(f"{config.name} failed: {result.error}")
+                    records = read_log(log)
+                    end = next((x for x in records if x["event"] == "train_end"), {})
+                    runs.append({"round": r, "model": model, "code": code, "setting": str(setting),
+                                 "ms_per_step": step_ms(records), "snapshots": end.get("snapshots", 0),
+                                 "stopped_ms": end.get("stopped_ms_per_snapshot", 0.0)})  # fmt: skip
+                    print(runs[-1], flush=True)
     rows = []
-    for setting in SETTINGS[1:]:
-        ratios = []
-        for r in range(a.rounds):
-            base = next(x for x in runs if x["round"] == r and x["setting"] == "off")["ms_per_step"]
-            mine = next(x for x in runs if x["round"] == r and x["setting"] == str(setting))["ms_per_step"]
-            ratios.append(mine / base - 1)
-        rows.append({
-            "snapshot_every": str(setting),
-            "overhead_pct": 100 * statistics.median(ratios),
-            "min_pct": 100 * min(ratios),
-            "max_pct": 100 * max(ratios),
-            "ms_per_step": statistics.median(x["ms_per_step"] for x in runs if x["setting"] == str(setting)),
-            "snapshots": statistics.median(x["snapshots"] for x in runs if x["setting"] == str(setting)),
-            "stopped_ms_per_snapshot": statistics.median(x["stopped_ms"] for x in runs if x["setting"] == str(setting)),
-        })  # fmt: skip
-    off = statistics.median(x["ms_per_step"] for x in runs if x["setting"] == "off")
-    return rows, {"runs": runs, "off_ms_per_step": off}
+    for model, spec in models.items():
+        for code in codes:
+            mine = [x for x in runs if x["model"] == model and x["code"] == code]
+            off = {x["round"]: x["ms_per_step"] for x in mine if x["setting"] == "off"}
+            for setting in spec["settings"][1:]:
+                these = [x for x in mine if x["setting"] == str(setting)]
+                ratios = [x["ms_per_step"] / off[x["round"]] - 1 for x in these]
+                extra_ms = [x["ms_per_step"] - off[x["round"]] for x in these]
+                rows.append({
+                    "model": model,
+                    "code": code,
+                    "snapshot_every": str(setting),
+                    "overhead_pct": 100 * statistics.median(ratios),
+                    "min_pct": 100 * min(ratios),
+                    "max_pct": 100 * max(ratios),
+                    "ms_per_step": statistics.median(x["ms_per_step"] for x in these),
+                    "ms_per_snapshot": statistics.median(extra_ms) if setting == 1 else "",
+                    "snapshots": statistics.median(x["snapshots"] for x in these),
+                    "stopped_ms_per_snapshot": statistics.median(x["stopped_ms"] for x in these),
+                })  # fmt: skip
+    off_ms = {
+        model: statistics.median(x["ms_per_step"] for x in runs if x["model"] == model and x["setting"] == "off")
+        for model in models
+    }
+    return rows, {"runs": runs, "off_ms_per_step": off_ms}
 
 
 def failure_row(kind: str, common: dict, work: Path, cluster) -> dict:
@@ -209,6 +231,7 @@ def main(argv=None) -> None:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--before", default=None, help="also measure the overhead with the code of this git commit")
     a = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="hf_lowzero_recovery_"))
@@ -221,17 +244,27 @@ def main(argv=None) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.slot_nodes = [cluster.add_node(num_cpus=1, resources={"worker_slot": 1}) for _ in range(2)]
     root = str(Path(__file__).resolve().parents[1])
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
-    common = dict(num_workers=2, per_device_train_batch_size=4, model_name_or_path=str(work / "model"),
-                  storage_path=str(work / "storage"), resources_per_worker='{"worker_slot": 1}', num_to_keep=1,
-                  max_failures=1)  # fmt: skip
+    codes = {"today": root}
+    if a.before:
+        codes = {"before": str(work / "before"), **codes}
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", codes["before"], a.before], check=True)
+    base = dict(num_workers=2, storage_path=str(work / "storage"), resources_per_worker='{"worker_slot": 1}',
+                num_to_keep=1, max_failures=1)  # fmt: skip
+    common = dict(base, per_device_train_batch_size=4, model_name_or_path=str(work / "model"))
+    models = {
+        f"gpt2 {a.n_layer}x{a.n_embd}": {"settings": SETTINGS, "config": common},
+        "main job": {"settings": MAIN_JOB_SETTINGS, "config": base},  # ray_jobs/finetune.py's model and batch
+    }
     try:
-        overhead, raw = overhead_rows(a, common, work)
+        overhead, raw = overhead_rows(a, models, codes, cluster, work)
+        use_code(cluster, root)
         failures = [failure_row(k, common, work, cluster) for k in
                     ("process kill from memory", "node kill from buddies", "storage only")]  # fmt: skip
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if a.before:
+            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", codes["before"]], check=False)
         shutil.rmtree(work, ignore_errors=True)
 
     for row in failures:
@@ -239,16 +272,21 @@ def main(argv=None) -> None:
     shard_mib = 12 * params / 2 / 2**20
     header = (
         "# Memory snapshots: overhead while training, and recovery after a failure\n\n"
-        f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps}`. Local "
+        f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps}"
+        f"{' --before ' + a.before if a.before else ''}`. Local "
         f"multi-node Ray cluster on a 2-core CPU machine (one worker per node), 2 workers, ZeRO-2, AdamW, "
         f"GPT-2 {a.n_layer}x{a.n_embd}, vocab {a.vocab} ({params / 1e6:.1f}M params; a rank's shard of fp32 "
         f"masters and AdamW state is {shard_mib:.0f} MiB), batch 4 x 64 tokens per worker, dropout off. "
-        f"Without snapshots a step takes {raw['off_ms_per_step']:.0f} ms (mean over the measured steps).\n\n"
+        f"Without snapshots a step takes {raw['off_ms_per_step'][f'gpt2 {a.n_layer}x{a.n_embd}']:.0f} ms (mean "
+        f"over the measured steps); the main job's model (`ray_jobs/finetune.py`: a tiny GPT-2, a 0.7 MiB shard "
+        f"per rank), {raw['off_ms_per_step']['main job']:.0f} ms. code: `today` is this checkout"
+        f"{f', `before` is commit {a.before}' if a.before else ''}.\n\n"
         "## Step-time overhead against no snapshots (same round's run without them)\n\n"
         "stopped_ms_per_snapshot: how long the step loop stood still per snapshot (the copy into a host "
         "buffer, and agreeing on the next interval); the rest of the overhead is the background work "
-        "(checksums, serializing, sending, the holders) competing with training for this machine's 2 "
-        "cores, which both train.\n"
+        "(checksums, writing the piece, the holders' copies and calls) competing with training for this "
+        "machine's 2 cores, which both train. ms_per_snapshot: at `snapshot_every=1`, the step time minus "
+        "the step time without snapshots: what one snapshot costs training.\n"
     )
     failure_table = markdown_table(failures, list(failures[0]))
     footer = (
@@ -258,17 +296,17 @@ def main(argv=None) -> None:
         "from `resume_checkpoint()`'s start to the Trainer's `on_train_begin` (fetching and writing the "
         "snapshot, then loading it; for local storage only the loading).\n"
     )
-    columns = ["snapshot_every", "overhead_pct", "min_pct", "max_pct", "ms_per_step", "snapshots",
-               "stopped_ms_per_snapshot"]  # fmt: skip
+    columns = ["model", "code", "snapshot_every", "overhead_pct", "min_pct", "max_pct", "ms_per_step",
+               "ms_per_snapshot", "snapshots", "stopped_ms_per_snapshot"]  # fmt: skip
     data = {"overhead": overhead, "failures": failures, **raw}
     print(write_results("recovery", overhead, columns, header, footer, data=data))
     bar_plot(
         RESULTS / "recovery.png",
-        [f"every {r['snapshot_every']}" for r in overhead],
+        [f"{r['model']}, {r['code']}: every {r['snapshot_every']}" for r in overhead],
         [r["overhead_pct"] for r in overhead],
         spans=[(r["min_pct"], r["max_pct"]) for r in overhead],
         xlabel="step-time overhead vs no snapshots (%)",
-        title=f"memory snapshots, GPT-2 {a.n_layer}x{a.n_embd}, W=2",
+        title="memory snapshots, W=2",
         ref=0.0,
     )
 

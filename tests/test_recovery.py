@@ -36,6 +36,7 @@ from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer
 from hf_lowzero.ray.holder import NAMESPACE, SnapshotHolder, all_holder_names  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
 from hf_lowzero.snapshot import encode_piece  # noqa: E402
+from hf_lowzero.snapshot.segments import run_folders  # noqa: E402
 from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
 
@@ -142,6 +143,7 @@ def assert_no_holders_left(timeout_s: float = 15) -> None:
     while all_holder_names() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert all_holder_names() == [], "snapshot holders outlived their run"
+    assert run_folders() == [], "snapshot files outlived their run"
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,7 @@ def decoy_holder(node_id: str):
     """A holder of another run on ``node_id`` with a complete snapshot far newer than ours."""
     holder = SnapshotHolder.options(name=f"another-run:{node_id}", namespace=NAMESPACE, lifetime="detached",
                                     scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                                        node_id, soft=False)).remote(node_id, None)  # fmt: skip
+                                        node_id, soft=False)).remote(node_id, None, "another-run")  # fmt: skip
     piece = encode_piece({"master/w": torch.ones(4)}, {}, {"step": 999, "rank": 0, "world_size": 1, "records": {}})
     assert ray.get(holder.put.remote(json.dumps(piece.manifest), piece.payload)) is None
     ray.get(holder.mark.remote(999, 0, 1))
@@ -182,6 +184,7 @@ def test_a_killed_process_resumes_from_its_own_nodes_memory_unseen_by_other_runs
             999: {"world_size": 1, "marked": [0], "pieces": [0], "verified": None}
         }
     finally:
+        ray.get(decoy.close.remote())
         ray.kill(decoy)
     assert_no_holders_left()
 
@@ -253,7 +256,7 @@ def test_a_holder_exits_once_its_runs_controller_is_gone(cluster):
     controller = ray.remote(num_cpus=0)(_StandIn).remote()
     node = cluster.slot_nodes[0].node_id
     holder = SnapshotHolder.options(name=f"watched:{node}", namespace=NAMESPACE, lifetime="detached").remote(
-        node, controller._actor_id.hex(), 0.2
+        node, controller._actor_id.hex(), run_id="watched", watch_interval_s=0.2
     )
     assert ray.get(holder.index.remote())["steps"] == {}
     time.sleep(2)

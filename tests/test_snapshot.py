@@ -178,25 +178,37 @@ def test_buddy_nodes_put_each_ranks_copy_on_the_next_node():
 
 
 def test_snapshot_schedule_fixed_and_auto():
-    from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, WARMUP, SnapshotSchedule, check_every
+    from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, PROBE_GAP, WARMUP, SnapshotSchedule, check_every
 
     fixed = SnapshotSchedule(5)
     assert [s for s in range(1, 21) if fixed.due(s)] == [5, 10, 15, 20]
+    assert fixed.settled and not any(fixed.decides(s) for s in range(1, 21))
     auto = SnapshotSchedule("auto")
-    assert not any(auto.due(s) for s in range(1, WARMUP + 1)) and auto.due(WARMUP + 1)
+    auto.start(10)  # resumed after step 10: it measures its own steps again
+    warmup, probe = 10 + WARMUP + 1, 10 + WARMUP + 1 + PROBE_GAP
+    assert not any(auto.due(s) for s in range(11, warmup)) and auto.due(warmup)
     for seconds in (0.50, 0.10, 0.11, 0.09):  # the first (compilation) is not the median
         auto.observe_step(seconds, busy=False)
     assert auto.step_s == pytest.approx(0.105)
+    auto.taken(warmup, auto.proposed_interval())
+    assert [s for s in range(warmup + 1, probe + 1) if auto.due(s)] == [probe]  # the probe
+    auto.observe_snapshot(0.5, busy_step_s=[1.0])  # the warm-up snapshot: one-time costs, not counted
+    assert auto.cost_s is None
+    auto.taken(probe, auto.proposed_interval())
+    assert not auto.due(probe + 1) and auto.decides(probe + 1)  # waits for the probe, then decides
     auto.observe_snapshot(0.004, busy_step_s=[0.125, 0.105])  # 4 ms stopped + 20 ms slower steps
     assert auto.cost_s == pytest.approx(0.024)
     assert auto.proposed_interval() == math.ceil(0.024 / (AUTO_OVERHEAD * 0.105)) == 12
-    auto.taken(WARMUP + 1, 12)
-    assert [s for s in range(WARMUP + 1, 40) if auto.due(s)][:1] == [WARMUP + 13]
+    auto.decided(12)
+    assert auto.settled and [s for s in range(probe + 2, 60) if auto.due(s)][:1] == [probe + 12]  # from the probe
     assert auto.overhead() == pytest.approx(0.024 / (12 * 0.105))
     quick = SnapshotSchedule("auto")
     quick.observe_step(0.1, busy=False)
+    quick.observe_snapshot(1.0, busy_step_s=[])  # the warm-up one
     quick.observe_snapshot(0.0005, busy_step_s=[0.095, 0.1])  # faster than the median: noise, not a gain
-    assert quick.cost_s == pytest.approx(0.0005) and quick.proposed_interval() == 1
+    assert quick.cost_s == pytest.approx(0.0005)
+    quick.decided(quick.proposed_interval())
+    assert quick.interval == 1 and [s for s in range(1, 12) if quick.due(s)][:1] == [WARMUP + 1 + PROBE_GAP + 2]
     assert check_every("7") == 7 and check_every(None) is None and check_every("auto") == "auto"
     assert check_every("off") is None and check_every("None") is None
     for bad in (0, -1, "often", 2.5, True):

@@ -30,17 +30,23 @@ Example::
 # another world size reads a slice of a saved row widened to chunk boundaries (at most one chunk
 # more at each end, ``chunk_span``), so each rank still reads only the saved rows that overlap its
 # new ones, and every byte it uses is checked. Whole tensors (the extras) verify every chunk.
-# CRC-32 (zlib) runs at several GB/s, a small part of writing the same bytes to disk.
+# CRC-32 runs at about 6 GB/s with ISA-L's carry-less multiply (the ``isal`` package, the same
+# checksum as zlib's), 1.4 GB/s with zlib's table; either is a small part of writing the bytes to
+# disk, and with ISA-L a small part of a memory snapshot too.
 """
 
 from __future__ import annotations
 
 import re
-import zlib
 from pathlib import PurePath
 from typing import Any
 
 import torch
+
+try:  # the same CRC-32 as zlib's, 4x faster ([Note: checksums])
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
+    from zlib import crc32
 
 FORMAT = "hf_lowzero.zero"
 FORMAT_VERSION = 3  # 3: whole-parameter ownership (owners, whole and packed state); 2: checksums; 1: neither
@@ -124,7 +130,7 @@ def byte_chunk_checksums(raw: bytes | memoryview, element_size: int) -> list[int
     """CRC-32 of each CHECKSUM_CHUNK_NUMEL-element chunk of a tensor's bytes (``element_size`` bytes
     an element): the same checksums as ``chunk_checksums``, from bytes alone (no torch needed)."""
     step = CHECKSUM_CHUNK_NUMEL * element_size
-    return [zlib.crc32(raw[i : i + step]) for i in range(0, len(raw), step)]
+    return [crc32(raw[i : i + step]) for i in range(0, len(raw), step)]
 
 
 def chunk_span(start: int, end: int, numel: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +28,28 @@ if TYPE_CHECKING:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file and the problem."""
+    """A checkpoint that cannot be loaded: the message names the file and the problem.
+
+    A ``ValueError``, so code that catches those catches it too.
+    """
 
 
 @dataclass
 class ShardView:
-    """This rank's shard, by position (torch's numbering: groups in order, params in order)."""
+    """This rank's shard, by position (torch's numbering: groups in order, params in order).
+
+    Build it with :meth:`of`.
+
+    Args:
+        state_dict: The optimizer's ``state_dict()`` (this rank's shard in torch's format).
+        names: Each param's name, by position.
+        params: The model's params, by position.
+        shards: How each param is split over the ranks (rows, or whole to one owner), by position.
+        world_size: The number of ranks in the optimizer's process group.
+        rank: This rank's index in that group.
+        process_group: The optimizer's process group (None: the default group).
+        device: The params' device, where collectives run.
+    """
 
     state_dict: dict[str, Any]
     names: list[str]
@@ -43,9 +59,18 @@ class ShardView:
     rank: int
     process_group: Any
     device: torch.device  # the params' device: where collectives run ([Note: the params' device])
+    _kind_cache: dict[int, dict[str, str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, opt: LowLevelZeroOptimizer) -> ShardView:
+        """The view of ``opt``'s shard on this rank.
+
+        Args:
+            opt: The optimizer to read; only its public surface is used.
+
+        Returns:
+            The view, over one ``opt.state_dict()`` taken now (live tensors, not copies).
+        """
         sd = opt.state_dict()
         params = [p for g in opt.param_groups for p in g["params"]]
         owners = sd[SECTION].get("owners") or [None] * len(params)
@@ -62,13 +87,17 @@ class ShardView:
 
     @property
     def zero(self) -> dict[str, Any]:
+        """The ZeRO section of the state dict: master rows, owners, loss scaler, counters, stage."""
         return self.state_dict[SECTION]
 
     def _kinds(self, pos: int) -> dict[str, str]:
         """Each state entry of ``pos``: "packed" (a tensor subclass such as torchao's quantized
         states), "row" (element-wise: one value per element of this rank's piece), "whole" (any
-        other tensor of a whole-owned param) or "scalar"."""
-        shard, kinds = self.shards[pos], {}
+        other tensor of a whole-owned param) or "scalar".
+        """
+        if pos in self._kind_cache:  # one view reads each param's kinds several times (a snapshot: 5)
+            return self._kind_cache[pos]
+        shard, kinds = self.shards[pos], self._kind_cache.setdefault(pos, {})
         for key, value in self.state_dict["state"].get(pos, {}).items():
             if is_packed(value):
                 kinds[key] = "packed"
@@ -85,23 +114,64 @@ class ShardView:
         return {k: state[k] for k, found in self._kinds(pos).items() if found == kind}
 
     def row_state(self, pos: int) -> dict[str, torch.Tensor]:
-        """Element-wise state tensors, flattened (1D, this rank's piece)."""
+        """Element-wise state tensors, flattened (1D, this rank's piece).
+
+        Args:
+            pos: The param's position.
+
+        Returns:
+            The state entries by name.
+        """
         return {k: v.reshape(-1) for k, v in self._of_kind(pos, "row").items()}
 
     def whole_state(self, pos: int) -> dict[str, torch.Tensor]:
         """State tensors of a whole-owned param that are not element-wise (factored moments,
-        block scales, quantization maps), in their own shapes."""
+        block scales, quantization maps), in their own shapes.
+
+        Args:
+            pos: The param's position.
+
+        Returns:
+            The state entries by name.
+        """
         return self._of_kind(pos, "whole")
 
     def packed_state(self, pos: int) -> dict[str, torch.Tensor]:
+        """Packed state tensors (tensor subclasses such as torchao's 8-bit and 4-bit states), as they are.
+
+        Args:
+            pos: The param's position.
+
+        Returns:
+            The state entries by name.
+        """
         return self._of_kind(pos, "packed")
 
     def scalar_state(self, pos: int) -> dict[str, Any]:
+        """Every other state entry: numbers, single-value tensors (``step``), tuples.
+
+        Args:
+            pos: The param's position.
+
+        Returns:
+            The state entries by name.
+        """
         return self._of_kind(pos, "scalar")
 
 
 def attributes_to_json(value: Any) -> Any:
-    """The non-tensor attributes of a packed tensor (``__tensor_flatten__``'s context) as JSON."""
+    """The non-tensor attributes of a packed tensor (``__tensor_flatten__``'s context) as JSON.
+
+    Args:
+        value: The context, or a part of it.
+
+    Returns:
+        The same value made of JSON types: dtypes and sizes become small tagged dicts.
+
+    Raises:
+        ValueError: ``value`` holds something other than dtypes, sizes, lists, tuples, None, bools,
+            numbers and strings.
+    """
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.Size):
@@ -114,6 +184,14 @@ def attributes_to_json(value: Any) -> Any:
 
 
 def attributes_from_json(value: Any) -> Any:
+    """The inverse of :func:`attributes_to_json`: a packed tensor's context as a checkpoint recorded it.
+
+    Args:
+        value: The JSON value, or a part of it.
+
+    Returns:
+        The same value with dtypes and sizes restored (tuples come back as lists).
+    """
     if isinstance(value, dict) and set(value) == {"dtype"}:
         return getattr(torch, value["dtype"])
     if isinstance(value, dict) and set(value) == {"size"}:
@@ -125,7 +203,19 @@ def attributes_from_json(value: Any) -> Any:
 
 def packed_class(path: str) -> type:
     """The tensor subclass named ``module:qualname`` in a checkpoint's metadata, imported (never
-    unpickled): it must be a ``torch.Tensor`` subclass that can be rebuilt from inner tensors."""
+    unpickled): it must be a ``torch.Tensor`` subclass that can be rebuilt from inner tensors.
+
+    Args:
+        path: The class as ``module:qualname``.
+
+    Returns:
+        The class.
+
+    Raises:
+        ImportError: The module does not import.
+        AttributeError: The module has no such class.
+        ValueError: The name is not a ``torch.Tensor`` subclass with ``__tensor_unflatten__``.
+    """
     module, _, qualname = path.partition(":")
     cls: Any = importlib.import_module(module)
     for part in qualname.split("."):
@@ -137,7 +227,17 @@ def packed_class(path: str) -> type:
 
 def unsharded_state(model: torch.nn.Module, managed: list[torch.nn.Parameter], managed_names: list[str]):
     """Model state that is not sharded: frozen params and persistent buffers (rank 0 saves them),
-    so a consolidated checkpoint is a complete model. Tied duplicates of managed params are skipped."""
+    so a consolidated checkpoint is a complete model. Tied duplicates of managed params are skipped.
+
+    Args:
+        model: The model.
+        managed: The params the optimizer shards.
+        managed_names: Their names.
+
+    Returns:
+        (dict[str, torch.Tensor]): The model's other state dict entries, by their canonical (uncompiled)
+            names.
+    """
     managed_ptrs = {p.data_ptr() for p in managed}
     names = set(managed_names)
     return {
@@ -148,6 +248,17 @@ def unsharded_state(model: torch.nn.Module, managed: list[torch.nn.Parameter], m
 
 
 def scalar_to_json(value: Any) -> Any:
+    """A scalar state entry or hyperparameter as JSON.
+
+    Args:
+        value: A number, string, tuple, None, or a single-value tensor.
+
+    Returns:
+        The value made of JSON types: a tensor becomes ``{"tensor": value, "dtype": name}``, a tuple a list.
+
+    Raises:
+        ValueError: ``value`` is a tensor of more than one element.
+    """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"unsupported optimizer state tensor of shape {tuple(value.shape)}")
@@ -158,6 +269,14 @@ def scalar_to_json(value: Any) -> Any:
 
 
 def scalar_from_json(value: Any) -> Any:
+    """The inverse of :func:`scalar_to_json` (a tuple comes back as a list).
+
+    Args:
+        value: The JSON value.
+
+    Returns:
+        The value, with a recorded tensor rebuilt in its dtype.
+    """
     if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
         return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
     return value
@@ -166,7 +285,12 @@ def scalar_from_json(value: Any) -> Any:
 def atomic_write(target: Path, write) -> None:
     """``write(tmp_path)``, fsync, then rename over ``target``: readers never see half a file. The
     temporary name is this process's own, so processes writing the same file (the ranks of one node
-    writing a snapshot's shared files) never write into each other's."""
+    writing a snapshot's shared files) never write into each other's.
+
+    Args:
+        target: The file to write.
+        write (Callable[[str], Any]): Called with the temporary file's path (a ``str``); writes the whole file there.
+    """
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     write(str(tmp))
     with open(tmp, "rb") as f:

@@ -2,19 +2,29 @@
 
 Ray Train restarts every worker on any failure, so a snapshot must live in processes that are not
 workers. Each node that runs a worker gets a ``SnapshotHolder``: a detached, named actor pinned to
-that node (``NodeAffinitySchedulingStrategy``, not soft), holding pieces in its own process memory.
-What a killed node held is gone with it, as on a real cluster. Holders are named after the run
+that node (``NodeAffinitySchedulingStrategy``, not soft), keeping pieces as files in the node's
+memory (``hf_lowzero/snapshot/segments.py``) that outlive any worker. What a killed node held is
+gone with it, as on a real cluster. Holders are named after the run
 (``<run_id>:<node_id>`` in the ``hf_lowzero_snapshots`` namespace), so two runs, e.g. the trials of a
 Tune sweep, never see each other's pieces.
 
 Example (inside a Ray Train worker)::
 
     holder = holder_for(run, node_id)                                  # get or create
-    holder.put.remote(json.dumps(piece.manifest), piece.payload)        # its structure checked as it lands
-    holder.mark.remote(step, rank, world_size)                          # this rank's piece and its copy landed
+    manifest = write_piece(shard, extras, fields, path)                # the rank writes its piece in memory
+    holder.land.remote(json.dumps(manifest), str(path), buddy_node, nodes)   # kept, copied to the buddy, marked
+
+# [Note: one call per snapshot]
+# A snapshot costs a rank one Ray call: ``land`` on its own node's holder, with the path of the
+# file it wrote its piece into. The holder checks the piece's structure (headers only), keeps the
+# file (a reference: no copy), hands the buddy node's holder a copy (a memory map of the file
+# goes into Ray's object store once and lands in a file on the buddy node) and then marks the
+# step on every holder of the run. A holder's marks are batched: the ranks of a node that land
+# together are marked with one call per holder. ``land`` returns when the marks are delivered, so
+# the rank's background thread knows that its piece is complete, or what went wrong.
 
 # [Note: complete snapshot]
-# A rank marks step S on every holder of the run only after both its pieces (own node, buddy
+# Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
 # node) landed whole: the holder checked the format, the length and every tensor's extent. S is
 # complete when every rank of S marked it; only a complete snapshot is ever restored, so a failure
 # while a snapshot is being taken (a torn snapshot) resumes the previous one. Every chunk's checksum
@@ -41,19 +51,26 @@ Example (inside a Ray Train worker)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback  # Ray Train V2's; no public name
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hf_lowzero.snapshot.format import payload_error
+from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.snapshot import segments
+from hf_lowzero.snapshot.format import payload_error, piece_file_error
+from hf_lowzero.snapshot.segments import node_folder
 
 NAMESPACE = "hf_lowzero_snapshots"
 WATCH_INTERVAL_S = 1.0
@@ -85,37 +102,88 @@ def current_run() -> RunIdentity:
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class SnapshotHolder:
-    """A node's memory snapshots of one run: pieces by (step, rank), and the ranks' marks."""
+    """A node's memory snapshots of one run: pieces by (step, rank), each a file in the node's
+    memory ([Note: snapshot folder] in ``hf_lowzero/snapshot/segments.py``), and the ranks' marks."""
 
-    def __init__(self, node_id: str, controller_id: str | None, watch_interval_s: float = WATCH_INTERVAL_S) -> None:
+    def __init__(
+        self, node_id: str, controller_id: str | None, run_id: str = "", watch_interval_s: float = WATCH_INTERVAL_S
+    ) -> None:
         self.node_id = node_id
+        self.run_id = run_id or "unnamed"
+        self.folder = node_folder(self.run_id, node_id)
         self._lock = threading.Lock()
-        self._pieces: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}
+        self._pieces: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}  # (step, rank) -> (manifest, file)
         self._marks: dict[int, set[int]] = {}
         self._worlds: dict[int, int] = {}
         self._verified: dict[int, bool | None] = {}
         self._complete: int | None = None
         self._kept: int | None = None  # the oldest step held on purpose: the newest complete one that may be restored
+        self._to_mark: queue.Queue[_Mark] = queue.Queue()
+        threading.Thread(target=self._deliver_marks, daemon=True).start()
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
-    def put(self, manifest_json: str, payload: bytes) -> str | None:
-        """Keep a piece after checking it; returns what is wrong with it, or None when it landed."""
+    def land(
+        self,
+        manifest_json: str,
+        path: str,
+        buddy_node: str | None,
+        nodes: list[str],
+        verified: bool | None = None,
+        mark: bool = True,
+    ) -> tuple[str | None, float]:
+        """A rank's one call per snapshot ([Note: one call per snapshot]): keep the piece the rank
+        wrote into ``path`` on this node, send a copy to ``buddy_node``'s holder, then (``mark``)
+        mark the step for the rank on the holders of ``nodes``. Returns what went wrong (or None)
+        and the CPU seconds this holder spent on it (what it may have taken from training)."""
+        cpu = time.thread_time()
+        error = self._land(manifest_json, path, buddy_node, nodes, verified, mark)
+        return error, time.thread_time() - cpu
+
+    def _land(self, manifest_json, path, buddy_node, nodes, verified, mark) -> str | None:
+        manifest = json.loads(manifest_json)
+        error = piece_file_error(manifest, path)
+        if error is None and self._keep(manifest, path) and buddy_node is not None:
+            try:
+                buddy = ray.get_actor(f"{self.run_id}:{buddy_node}", namespace=NAMESPACE)
+                copy = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # into the object store, no copy here
+                error = ray.get(buddy.put.remote(manifest_json, copy))
+            except (ValueError, ray.exceptions.RayActorError) as e:
+                error = f"the buddy node's holder is gone ({e})"
+        if error is not None:
+            segments.unlink(path)
+            return error
+        if not mark:
+            return None
+        request = _Mark(
+            manifest["step"], manifest["rank"], manifest["world_size"], verified, tuple(dict.fromkeys(nodes))
+        )
+        self._to_mark.put(request)
+        request.done.wait()
+        return request.error
+
+    def put(self, manifest_json: str, payload: bytes | memoryview) -> str | None:
+        """Keep a piece given as its bytes (another node's copy) after checking its structure;
+        returns what is wrong with it, or None when it landed."""
         manifest = json.loads(manifest_json)
         error = payload_error(manifest, payload, checksums=False)
         if error is not None:
             return error
-        with self._lock:
-            step = manifest["step"]
-            if self._complete is None or step > self._complete:
-                self._pieces[(step, manifest["rank"])] = (manifest, payload)
+        path = segments.piece_path(self.folder, manifest["step"], manifest["rank"], copy=True)
+        atomic_write(path, lambda f: Path(f).write_bytes(memoryview(payload)))
+        self._keep(manifest, str(path))
         return None
 
     def mark(self, step: int, rank: int, world_size: int, verified: bool | None = None) -> None:
         """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete
         snapshot]); ``verified``: the step passed its integrity checks (None: the run checks none)."""
+        self.mark_many(step, [rank], world_size, verified)
+
+    def mark_many(self, step: int, ranks: list[int], world_size: int, verified: bool | None = None) -> None:
+        """``mark`` for several ranks at once (a node's holder batches its ranks' marks)."""
+        dropped = []
         with self._lock:
-            self._marks.setdefault(step, set()).add(rank)
+            self._marks.setdefault(step, set()).update(ranks)
             self._worlds[step] = world_size
             self._verified[step] = verified
             if len(self._marks[step]) == world_size and (self._complete is None or step > self._complete):
@@ -123,20 +191,23 @@ class SnapshotHolder:
                 if verified is not False:  # a rollback point: older snapshots are no longer needed
                     self._kept = step
                 keep = self._kept if self._kept is not None else step
+                dropped = [path for key, (_, path) in self._pieces.items() if key[0] < keep]
                 self._pieces = {key: v for key, v in self._pieces.items() if key[0] >= keep}
                 self._marks = {s: m for s, m in self._marks.items() if s >= keep}
                 self._worlds = {s: w for s, w in self._worlds.items() if s >= keep}
                 self._verified = {s: v for s, v in self._verified.items() if s >= keep}
+        for path in dropped:
+            segments.unlink(path)
 
     def index(self) -> dict[str, Any]:
-        """What this holder knows: per step, the world size, the ranks that marked it and the ranks
+        """What this holder knows: per step, the world size, the ranks that marked it, the ranks
         whose pieces it holds, and whether the step passed its integrity checks (None: not checked);
         and the bytes it holds."""
         with self._lock:
             steps = set(self._marks) | {step for step, _ in self._pieces}
             return {
                 "node_id": self.node_id,
-                "bytes": sum(len(payload) for _, payload in self._pieces.values()),
+                "bytes": sum(_size(manifest) for manifest, _ in self._pieces.values()),
                 "steps": {
                     step: {
                         "world_size": self._worlds.get(step),
@@ -155,9 +226,56 @@ class SnapshotHolder:
     def part(self, step: int, rank: int, name: str) -> bytes:
         """One part (``"shard"`` or ``"extras"``) of a piece's payload."""
         with self._lock:
-            manifest, payload = self._pieces[(step, rank)]
+            manifest, path = self._pieces[(step, rank)]
         start, end = manifest["parts"][name]
-        return payload[start:end]
+        return segments.read_range(path, start, end)
+
+    def close(self) -> None:
+        """Free every piece (their files) now; the run is over."""
+        with self._lock:
+            self._pieces = {}
+            self._complete = 1 << 62  # nothing lands any more
+        segments.remove_run_folder(self.run_id)
+
+    def _keep(self, manifest: dict[str, Any], path: str) -> bool:
+        """Hold the piece in ``path`` (which this holder now owns); False when it is older than the
+        newest complete snapshot (its file is removed)."""
+        key = (manifest["step"], manifest["rank"])
+        with self._lock:
+            if self._complete is not None and key[0] <= self._complete:
+                stale, kept = path, False
+            else:
+                stale = self._pieces[key][1] if key in self._pieces else None  # the same piece again
+                self._pieces[key] = (manifest, path)
+                kept = True
+        if stale is not None and (stale != path or not kept):
+            segments.unlink(stale)
+        return kept
+
+    def _deliver_marks(self) -> None:
+        # [Note: one call per snapshot]
+        while True:
+            batch = [self._to_mark.get()]
+            while not self._to_mark.empty():
+                batch.append(self._to_mark.get_nowait())
+            groups: dict[tuple, list[_Mark]] = {}
+            for m in batch:
+                groups.setdefault((m.step, m.world_size, m.verified, m.nodes), []).append(m)
+            for (step, world_size, verified, nodes), marks in groups.items():
+                ranks = sorted(m.rank for m in marks)
+                error = None
+                try:
+                    others = [
+                        ray.get_actor(f"{self.run_id}:{n}", namespace=NAMESPACE) for n in nodes if n != self.node_id
+                    ]
+                    refs = [h.mark_many.remote(step, ranks, world_size, verified) for h in others]
+                    self.mark_many(step, ranks, world_size, verified)
+                    ray.get(refs)
+                except (ValueError, ray.exceptions.RayActorError) as e:
+                    error = f"a holder of the run is gone, step {step} is not marked everywhere ({e})"
+                for m in marks:
+                    m.error = error
+                    m.done.set()
 
     def _watch(self, controller_id: str, interval_s: float) -> None:
         # [Note: holder lifetime]
@@ -165,7 +283,23 @@ class SnapshotHolder:
         while misses < 3:  # three checks in a row: a GCS that did not answer once is not a dead run
             time.sleep(interval_s)
             misses = 0 if _actor_alive(controller_id) else misses + 1
+        self.close()
         os._exit(0)
+
+
+@dataclass
+class _Mark:
+    step: int
+    rank: int
+    world_size: int
+    verified: bool | None
+    nodes: tuple[str, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+def _size(manifest: dict[str, Any]) -> int:
+    return max(end for _, end in manifest["parts"].values())
 
 
 def holder_for(run: RunIdentity, node_id: str):
@@ -176,7 +310,7 @@ def holder_for(run: RunIdentity, node_id: str):
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id, run.controller_id)
+    ).remote(node_id, run.controller_id, run.run_id)
 
 
 def run_holders(run_id: str) -> dict[str, Any]:
@@ -202,7 +336,10 @@ def all_holder_names() -> list[str]:
 
 def release_run(run_id: str) -> None:
     """End every holder of run ``run_id`` now (their memory is freed)."""
-    for handle in run_holders(run_id).values():
+    handles = list(run_holders(run_id).values())
+    for handle, ref in [(h, h.close.remote()) for h in handles]:
+        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            ray.get(ref, timeout=30)  # its files first: killed, a holder would leave them behind
         ray.kill(handle)
 
 

@@ -8,20 +8,29 @@ Example::
     >>> buddy_nodes(["a", "a"])                 # one node: no buddy, process loss only
     [None, None]
     >>> schedule = SnapshotSchedule("auto")
-    >>> [schedule.due(step) for step in range(1, 7)]   # warm-up steps measure the step time
-    [False, False, False, False, False, True]
+    >>> [schedule.due(step) for step in range(1, 5)]   # warm-up steps measure the step time
+    [False, False, False, True]
 
 # [Note: auto interval]
 # ``snapshot_every="auto"`` measures what a snapshot costs on this run and picks the interval that
-# keeps it within ``AUTO_OVERHEAD`` (2%) of training time. The first WARMUP steps take none and
-# give the step time without snapshots (their median, so the first step's compilation and
-# allocation do not count). Then a snapshot is taken and its cost is measured as training feels
-# it: the time the step loop was stopped for the copy, plus how much longer than that median the
-# steps ran while the snapshot was encoded and sent in the background (on a machine whose cores
-# all train, the background work slows them; on a GPU node it mostly does not). The interval is
-# ceil(cost / (2% of a step)), at least 1, re-decided at every snapshot from the median cost of the
-# last 20 (one slow snapshot does not stretch the interval);
-# ranks take the largest rank's choice, so that every rank snapshots the same steps.
+# keeps it within ``AUTO_OVERHEAD`` (2%) of training time, and starts early, so that a short run is
+# protected too. The first WARMUP steps take none and give the step time without snapshots (their
+# median, so the first step's compilation and allocation do not count). The next step takes a
+# warm-up snapshot, whose cost (the holders' first calls, the piece's layout) is not counted, and
+# PROBE_GAP steps later a probe, whose cost is; the step after the probe waits for it to land and
+# decides the interval, counted from the probe. A cost is measured as training feels it: the time
+# the step loop was stopped for the copy, plus how much longer than that median the steps ran
+# while the snapshot was written and sent in the background (on a machine whose cores all train,
+# the background work slows them; on a GPU node it mostly does not), but no more than the CPU time
+# the background work took (the writer thread's and the holder's): on a noisy machine a slow step
+# during a snapshot is not all the snapshot's doing. The interval is
+# ceil(cost / (2% of a step)), at least 1, re-decided at every later snapshot from the median cost
+# of the last 20 (one slow snapshot does not stretch the interval); ranks take the largest rank's
+# choice, so that every rank snapshots the same steps. One more bound: a snapshot older than the
+# newest storage checkpoint is never used, so auto takes one at least every half of the Trainer's
+# ``save_steps`` (a failure loses at most half the steps between two storage checkpoints), even
+# when that costs more than 2%: on a tiny model whose steps take a few ms, as in the main job
+# (storage every 10 steps, snapshots at steps 4 and 6 and then every 5 or fewer).
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ import statistics
 AUTO = "auto"
 OFF = ("off", "none")
 AUTO_OVERHEAD = 0.02
-WARMUP = 5
+WARMUP = 3
+PROBE_GAP = 2
 MAX_INTERVAL = 10_000
 
 
@@ -72,8 +82,12 @@ class SnapshotSchedule:
         if self.every is None:
             raise ValueError("SnapshotSchedule needs an interval; None means no snapshots")
         self.auto = self.every == AUTO
-        self.interval = 1 if self.auto else self.every
+        self.interval = PROBE_GAP if self.auto else self.every
         self._next = WARMUP + 1 if self.auto else self.every
+        self.probe_step = WARMUP + 1 + PROBE_GAP  # auto: the first snapshot whose cost counts
+        self._decided = not self.auto
+        self._uncounted = 1 if self.auto else 0  # the warm-up snapshot's cost
+        self.cap = MAX_INTERVAL  # auto: at most half the storage checkpoints' interval (start())
         self._quiet_steps: list[float] = []  # step times with no snapshot work in flight
         self._costs: list[float] = []
 
@@ -81,6 +95,31 @@ class SnapshotSchedule:
         if self.auto:
             return step >= self._next
         return step % self.every == 0
+
+    def start(self, origin: int, storage_every: int | None = None) -> None:
+        """The run (or this attempt of it) starts after step ``origin``: auto's warm-up, snapshots
+        and decision count from there (a resumed run measures its own steps again). With
+        ``storage_every`` (the Trainer's ``save_steps``), auto takes a snapshot at least every half
+        of it ([Note: auto interval])."""
+        if storage_every is not None and storage_every >= 2:
+            self.cap = storage_every // 2
+        if self.auto:
+            self._next, self.probe_step = origin + WARMUP + 1, origin + WARMUP + 1 + PROBE_GAP
+
+    @property
+    def settled(self) -> bool:
+        """The interval was decided (fixed intervals always are)."""
+        return self._decided
+
+    def decides(self, step: int) -> bool:
+        """Auto: this step waits for the probe and agrees on the interval ([Note: auto interval])."""
+        return not self._decided and step == self.probe_step + 1
+
+    def decided(self, interval: int) -> None:
+        """Every rank agreed on ``interval``, counted from the probe."""
+        self._decided = True
+        self.interval = interval
+        self._next = max(self.probe_step + interval, self.probe_step + 2)
 
     def observe_step(self, seconds: float, busy: bool) -> None:
         """One step's wall time (the copy excluded); ``busy``: a snapshot was encoded or sent meanwhile."""
@@ -92,12 +131,19 @@ class SnapshotSchedule:
         """The median step time without snapshot work, or None before any."""
         return statistics.median(self._quiet_steps[-50:]) if self._quiet_steps else None
 
-    def observe_snapshot(self, stopped_s: float, busy_step_s: list[float]) -> None:
-        """A finished snapshot: seconds the loop stopped for it, and the times of the steps that ran
-        while it was in the background."""
+    def observe_snapshot(self, stopped_s: float, busy_step_s: list[float], background_cpu_s: float | None = None):
+        """A finished snapshot: seconds the loop stopped for it, the times of the steps that ran
+        while it was in the background, and the CPU seconds its background work took (the writer
+        thread and the holder): the steps' excess counts up to that, no more (a noisy step is not a cost)."""
+        if self._uncounted:
+            self._uncounted -= 1
+            return
         base = self.step_s or 0.0
         # Signed: clipping each step's excess at zero would count step-time noise as cost.
-        self._costs.append(stopped_s + max(0.0, sum(s - base for s in busy_step_s)))
+        excess = max(0.0, sum(s - base for s in busy_step_s))
+        if background_cpu_s is not None:
+            excess = min(excess, background_cpu_s)
+        self._costs.append(stopped_s + excess)
 
     @property
     def cost_s(self) -> float | None:
@@ -108,14 +154,18 @@ class SnapshotSchedule:
         """This rank's interval ([Note: auto interval]): the fixed one, or the one its measurements give."""
         if not self.auto:
             return self.every
+        if not self._decided and self.cost_s is None:
+            return PROBE_GAP  # the warm-up snapshot's next is the probe; the probe's waits for the decision
         if self.cost_s is None or not self.step_s:
             return self.interval
-        return max(1, min(MAX_INTERVAL, math.ceil(self.cost_s / (AUTO_OVERHEAD * self.step_s))))
+        return max(1, min(self.cap, math.ceil(self.cost_s / (AUTO_OVERHEAD * self.step_s))))
 
     def taken(self, step: int, interval: int) -> None:
         """A snapshot was taken at ``step``; every rank agreed on ``interval`` for the next."""
         self.interval = interval
         self._next = step + interval
+        if not self._decided and step >= self.probe_step:
+            self._next = self.probe_step + 2  # the decision comes first
 
     def overhead(self) -> float | None:
         """The share of training time snapshots are expected to cost at the current interval."""

@@ -3,8 +3,9 @@
 ``prepare_trainer(trainer, snapshot_every=...)`` adds ``MemorySnapshots``; nothing else changes in
 the training function. At a snapshot step every rank copies its shard into a host buffer ([Note:
 double buffer] in ``hf_lowzero/snapshot/stager.py``) and training goes on; a background thread
-encodes the piece, sends it to its node's holder and its buddy node's holder, and marks the step
-on every holder once both landed ([Note: complete snapshot] in ``holder.py``).
+writes the piece into a file in its node's memory and makes one call to its node's holder, which
+keeps the file, copies it to the buddy node's holder and marks the step on every holder once both
+landed ([Note: one call per snapshot] and [Note: complete snapshot] in ``holder.py``).
 
 Example::
 
@@ -29,8 +30,9 @@ from transformers import TrainerCallback
 
 from hf_lowzero.ray.holder import current_run, holder_for, release_run
 from hf_lowzero.ray.restore import discard, last_resume
-from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, SnapshotSchedule, buddy_nodes
+from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, MAX_INTERVAL, SnapshotSchedule, buddy_nodes
 from hf_lowzero.snapshot import ShardStager, Staged
+from hf_lowzero.snapshot.segments import node_folder, piece_path
 from hf_lowzero.trainer.snapshot_files import trainer_manifest
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,10 @@ class MemorySnapshots(TrainerCallback):
         nodes: list[str] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(nodes, node)
         self.nodes = nodes
-        buddy = buddy_nodes(nodes)[self.rank]
+        self._buddy_node = buddy_nodes(nodes)[self.rank]
         self._own = holder_for(self.run, node)
-        self._buddy = holder_for(self.run, buddy) if buddy is not None else None
         self._holders = [holder_for(self.run, n) for n in dict.fromkeys(nodes)]
+        self._folder = node_folder(self.run.run_id, node)
         # Started now, not during the first snapshot: a holder's start (a process importing torch)
         # would be charged to that snapshot and to the steps it overlaps.
         ray.get([h.index.remote() for h in self._holders])
@@ -101,12 +103,19 @@ class MemorySnapshots(TrainerCallback):
         now = time.perf_counter()
         self._collect(now)
         self._last_step = step
+        if self.schedule.decides(step):
+            self._decide(step)
         if step < trainer.state.max_steps and self.schedule.due(step):
             self._take(trainer, step, now)
         integrity = trainer.zero_optimizer.integrity
         if integrity.enabled and self.schedule.due(step + 1):
             integrity.request(step + 1)  # only snapshots of verified steps are rollback points
         self._last_time = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Start the schedule from the step this attempt resumes at ([Note: auto interval])."""
+        saves = args.save_strategy == "steps" and args.save_steps >= 1
+        self.schedule.start(state.global_step, int(args.save_steps) if saves else None)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self._resume_discarded:
@@ -147,13 +156,16 @@ class MemorySnapshots(TrainerCallback):
             for f in self._in_flight:
                 f.busy_steps.append(seconds)
             self.schedule.observe_step(seconds, busy)
+        self._collect_finished()
+
+    def _collect_finished(self) -> None:
         for f in [f for f in self._in_flight if f.future.done()]:
             self._in_flight.remove(f)
             error = f.future.exception()
             if error is not None:
                 logger.warning("[hf_lowzero] the memory snapshot of step %d was not kept: %s", f.step, error)
                 continue
-            self.schedule.observe_snapshot(f.stopped_s, f.busy_steps)
+            self.schedule.observe_snapshot(f.stopped_s, f.busy_steps, f.future.result())
 
     def _take(self, trainer, step: int, start: float) -> None:
         if self._stager is not None and self._stager.opt is not trainer.zero_optimizer:
@@ -167,7 +179,8 @@ class MemorySnapshots(TrainerCallback):
         verified = integrity.last_verified == step if integrity.enabled else None  # the same on every rank
         future = self._executor.submit(self._send, staged, fields, verified)
         interval = self._agree(self.schedule.proposed_interval())
-        if self.schedule.auto and self.rank == 0 and interval != self.schedule.interval and self.schedule.cost_s:
+        changed = self.schedule.settled and interval != self.schedule.interval
+        if changed and self.schedule.auto and self.rank == 0 and self.schedule.cost_s:
             logger.info(
                 "[hf_lowzero] memory snapshots every %d steps from step %d: one costs %.1f ms of %.1f ms steps",
                 interval, step, 1e3 * self.schedule.cost_s, 1e3 * self.schedule.step_s,
@@ -180,6 +193,20 @@ class MemorySnapshots(TrainerCallback):
         if not self._announced:
             self._announce(staged)
 
+    def _decide(self, step: int) -> None:
+        """Auto: wait for the probe snapshot to land, then agree on the interval ([Note: auto interval])."""
+        start = time.perf_counter()
+        self.wait()
+        self._collect_finished()
+        interval = self._agree(self.schedule.proposed_interval())
+        self.schedule.decided(interval)
+        self.stopped_s += time.perf_counter() - start
+        if self.rank == 0 and self.schedule.cost_s is not None:
+            logger.info(
+                "[hf_lowzero] memory snapshots every %d steps from step %d: one costs %.1f ms of %.1f ms steps",
+                interval, self.schedule.probe_step + interval, 1e3 * self.schedule.cost_s, 1e3 * self.schedule.step_s,
+            )  # fmt: skip
+
     def _agree(self, interval: int) -> int:
         """The largest rank's interval (fixed intervals need no agreement)."""
         if not self.schedule.auto or self.world_size == 1:
@@ -189,19 +216,24 @@ class MemorySnapshots(TrainerCallback):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> None:
-        """Background thread: encode, land on both holders, then mark ([Note: complete snapshot]);
-        ``verified``: the step passed its integrity checks (None: the run does not check)."""
-        piece = staged.encode(**fields)
-        payload = ray.put(piece.payload)  # one copy in the object store serves both holders
-        manifest = json.dumps(piece.manifest)
-        targets = [self._own] + ([self._buddy] if self._buddy is not None else [])
-        errors = [e for e in ray.get([h.put.remote(manifest, payload) for h in targets]) if e is not None]
-        if errors:
-            raise SnapshotError(f"a holder refused the piece of rank {self.rank}: {errors[0]}")
-        if self.fault is not None and self.fault[0] == piece.step:
+    def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> float:
+        """Background thread: write the piece into this node's memory, then one call to this node's
+        holder, which keeps it, copies it to the buddy node and marks it ([Note: one call per
+        snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None: the
+        run does not check). Returns the CPU seconds the snapshot took here and in the holder."""
+        cpu = time.thread_time()
+        step = staged.manifest["step"]
+        path = piece_path(self._folder, step, self.rank)
+        manifest = staged.write(path, **fields)
+        torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
+        call = self._own.land.remote(json.dumps(manifest), str(path), self._buddy_node, self.nodes, verified, not torn)
+        cpu = time.thread_time() - cpu
+        error, holder_cpu = ray.get(call)
+        if error is not None:
+            raise SnapshotError(f"the piece of rank {self.rank} did not land: {error}")
+        if torn:
             self.fault[1]()
-        ray.get([h.mark.remote(piece.step, self.rank, self.world_size, verified) for h in self._holders])
+        return cpu + holder_cpu
 
     def _announce(self, staged: Staged) -> None:
         """Rank 0's console line: the interval and what snapshots cost in memory per node."""
@@ -211,7 +243,10 @@ class MemorySnapshots(TrainerCallback):
         shard = sum(t.numel() * t.element_size() for t in staged.shard.values())
         per_node = max(self.nodes.count(n) for n in set(self.nodes))
         kept = 2 if self.one_node else 4  # (own [+ buddy's]) x (newest complete + one in progress)
-        every = f"every {self.schedule.every} steps" if not self.schedule.auto else f"auto (within {AUTO_OVERHEAD:.0%})"
+        every = f"every {self.schedule.every} steps"
+        if self.schedule.auto:
+            at_least = f", at least every {self.schedule.cap} steps" if self.schedule.cap < MAX_INTERVAL else ""
+            every = f"auto (within {AUTO_OVERHEAD:.0%}{at_least})"
         logger.info(
             "[hf_lowzero] memory snapshots %s: %.1f MiB per rank's shard; a node holds up to %.1f MiB "
             "(%d x %d ranks' shards) and each worker %.1f MiB of staging buffers",

@@ -18,7 +18,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +31,11 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from hf_lowzero.checkpoint.layout import (
+    CHECKSUM_CHUNK_NUMEL,
     EXTRAS_FILE,
     META_FILE,
     byte_chunk_checksums,
-    file_checksums,
+    crc32,
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import atomic_write
@@ -50,7 +54,7 @@ class Piece:
     ``manifest["parts"]`` says where each file's bytes lie in it)."""
 
     manifest: dict[str, Any]
-    payload: bytes
+    payload: bytes | bytearray
 
     @property
     def step(self) -> int:
@@ -64,36 +68,184 @@ class Piece:
 def encode_piece(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], manifest: dict[str, Any]) -> Piece:
     """The piece of a rank: ``shard`` (its rank file's tensors, on the host) and ``extras`` (rank 0's
     persistent buffers, else empty) as safetensors bytes with their checksums, and ``manifest`` with
-    the format fields and where each part lies. Costs one checksum pass and one copy of the bytes."""
-    parts, blobs, offset = {}, [], 0
-    for name, tensors in (("shard", shard), ("extras", extras)):
-        if name == "extras" and not tensors:
-            continue
-        blob = safetensors_bytes(tensors, metadata=file_checksums(tensors))
-        parts[name] = [offset, offset + len(blob)]
-        offset += len(blob)
-        blobs.append(blob)
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "parts": parts}
-    return Piece(manifest, b"".join(blobs) if len(blobs) > 1 else blobs[0])
+    the format fields and where each part lies. The bytes are built in memory; ``write_piece`` writes
+    the same bytes into a file instead ([Note: one pass over the shard])."""
+    layouts = piece_layouts(shard, extras)
+    payload = bytearray(sum(layout.size for _, layout in layouts))
+    parts, offset = {}, 0
+    for name, layout in layouts:
+        tensors = shard if name == "shard" else extras
+        view = memoryview(payload)[offset : offset + layout.size]
+        layout.write(tensors, lambda at, data, view=view: view.__setitem__(slice(at, at + len(data)), data))
+        parts[name] = [offset, offset + layout.size]
+        offset += layout.size
+    return Piece({"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "parts": parts}, payload)
+
+
+def write_piece(
+    shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], manifest: dict[str, Any], path: str | Path
+) -> dict[str, Any]:
+    """Write the piece ``encode_piece`` would build into the new file ``path`` (a memory-backed
+    segment: ``hf_lowzero.snapshot.segments``) in one pass over the tensors; returns its manifest."""
+    layouts = piece_layouts(shard, extras)
+    parts, offset = {}, 0
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, sum(layout.size for _, layout in layouts))
+        for name, layout in layouts:
+            tensors = shard if name == "shard" else extras
+            layout.write(tensors, lambda at, data, base=offset: _pwrite_all(fd, data, base + at))
+            parts[name] = [offset, offset + layout.size]
+            offset += layout.size
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "parts": parts}
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    data = memoryview(data).cast("B")
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+# [Note: one pass over the shard]
+# A piece is safetensors files whose header holds each tensor's chunk checksums. Serializing with
+# ``safetensors.save`` and then joining parts costs a checksum pass, a copy into the file's bytes
+# and a copy to join; a snapshot then moved those bytes again to reach a holder. Here the header is
+# laid out first, with a fixed-width slot of "00000000" per chunk (a CRC-32 is always 8 hex
+# digits), so its length does not depend on the checksums. Then each chunk of each tensor is
+# checksummed and written to its place in one pass (the chunk is read while it is still in cache),
+# and the header goes last with its slots filled in. The data follows safetensors' own order of
+# tensors (by dtype, then name), so a piece's part is byte for byte the data of the rank file
+# ``save_checkpoint`` writes; the headers are equal as JSON.
+
+
+@dataclass
+class FileLayout:
+    """Where everything lies in one safetensors file of ours: the header (with checksum slots) and
+    each tensor's data."""
+
+    header: bytes  # the 8-byte length and the JSON header with every checksum slot "00000000"
+    order: list[str]  # the tensors' keys in data order
+    slots: dict[str, int]  # key -> offset in ``header`` of its first checksum slot
+    size: int  # bytes in the file
+
+    def write(self, tensors: dict[str, torch.Tensor], put: Any) -> None:
+        """Checksum and write ``tensors`` chunk by chunk with ``put(offset, bytes)``, then the header."""
+        header = bytearray(self.header)
+        offset = len(header)
+        for key in self.order:
+            flat = tensors[key].detach().reshape(-1)
+            if not flat.is_contiguous() or flat.device.type != "cpu":
+                raise ValueError(f"{key!r}: a piece is written from contiguous host tensors, got {flat.device}")
+            raw = memoryview(flat.view(torch.uint8).numpy())
+            step = CHECKSUM_CHUNK_NUMEL * flat.element_size()
+            slot = self.slots[key]
+            for i, lo in enumerate(range(0, len(raw), step)):
+                chunk = raw[lo : lo + step]
+                header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(chunk)
+                put(offset + lo, chunk)
+            offset += len(raw)
+        put(0, header)
+
+
+def piece_layouts(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor]) -> list[tuple[str, FileLayout]]:
+    """The parts of a piece and their layouts: ``shard``, then ``extras`` when there are any."""
+    out = [("shard", file_layout(shard))]
+    if extras:
+        out.append(("extras", file_layout(extras)))
+    return out
+
+
+def file_layout(tensors: dict[str, torch.Tensor]) -> FileLayout:
+    """The layout of the safetensors file of ``tensors`` ([Note: one pass over the shard])."""
+    return _layout(tuple((key, tuple(t.shape), t.dtype) for key, t in tensors.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileLayout:
+    # safetensors' own order and dtype names, read from a file of one element per tensor.
+    probe = safetensors_bytes({key: torch.zeros(1, dtype=dtype) for key, _, dtype in spec})
+    probe_header = json.loads(probe[8 : 8 + int.from_bytes(probe[:8], "little")])
+    probe_header.pop("__metadata__", None)
+    order = sorted(probe_header, key=lambda key: probe_header[key]["data_offsets"][0])
+    shapes = {key: (shape, dtype) for key, shape, dtype in spec}
+    entries, offset = {}, 0
+    for key in order:
+        shape, dtype = shapes[key]
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        dtype_name = probe_header[key]["dtype"]
+        entries[key] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    # The checksum slots come first in the header, so their offsets are known as it is built.
+    text, slots = '{"__metadata__":{', {}
+    for i, key in enumerate(order):
+        numel = math.prod(shapes[key][0])
+        chunks = -(-numel // CHECKSUM_CHUNK_NUMEL)
+        text += ("," if i else "") + json.dumps(key) + ':"'
+        slots[key] = 8 + len(text.encode())
+        text += " ".join(["00000000"] * chunks) + '"'
+    text += "}" + "".join(f",{json.dumps(key)}:{json.dumps(entries[key], separators=(',', ':'))}" for key in order)
+    text += "}"
+    raw = text.encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    header = len(raw).to_bytes(8, "little") + raw
+    return FileLayout(header, order, slots, len(header) + offset)
 
 
 def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksums: bool = True) -> str | None:
     """What is wrong with a piece (its format, its length, each tensor's extent and, with
     ``checksums``, each chunk's checksum), or None. Reads the safetensors headers with ``json`` and
-    checks bytes with ``zlib``: no torch, no pickle. A holder checks a piece's structure as it lands;
+    checks bytes with CRC-32: no torch, no pickle. A holder checks a piece's structure as it lands;
     a restore checks every checksum before it uses a piece ([Note: complete snapshot])."""
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return "not an hf_lowzero snapshot piece"
-    if manifest.get("format_version") != FORMAT_VERSION:
-        return f"snapshot format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}"
     view = memoryview(payload)
-    ends = [end for _, end in manifest["parts"].values()]
-    if not ends or max(ends) != len(view):
-        return f"payload of {len(view)} bytes, the manifest describes {max(ends, default=0)}"
+    error = _manifest_error(manifest, len(view))
+    if error is not None:
+        return error
     for name, (start, end) in manifest["parts"].items():
         error = safetensors_error(view[start:end], checksums)
         if error is not None:
             return f"part {name!r}: {error}"
+    return None
+
+
+def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
+    """What is wrong with the structure of the piece in file ``path`` (``payload_error`` without the
+    checksums), reading only its headers: what a holder checks as a piece lands."""
+    path = Path(path)
+    if not path.is_file():
+        return f"no piece at {path}"
+    error = _manifest_error(manifest, path.stat().st_size)
+    if error is not None:
+        return error
+    with open(path, "rb") as f:
+        for name, (start, end) in manifest["parts"].items():
+            f.seek(start)
+            head = f.read(8)
+            if len(head) < 8:
+                return f"part {name!r}: truncated"
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > end - start - 8:
+                return f"part {name!r}: truncated"
+            header, error = _parse_header(f.read(header_len))
+            error = error or _extent_error(header, end - start - 8 - header_len)
+            if error is not None:
+                return f"part {name!r}: {error}"
+    return None
+
+
+def _manifest_error(manifest: dict[str, Any], size: int) -> str | None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return "not an hf_lowzero snapshot piece"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return f"snapshot format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}"
+    ends = [end for _, end in manifest["parts"].values()]
+    if not ends or max(ends) != size:
+        return f"payload of {size} bytes, the manifest describes {max(ends, default=0)}"
     return None
 
 
@@ -103,25 +255,44 @@ def safetensors_error(blob: bytes | memoryview, checksums: bool = True) -> str |
     if len(blob) < 8:
         return "truncated"
     (header_len,) = struct.unpack("<Q", blob[:8])
-    try:
-        header = json.loads(bytes(blob[8 : 8 + header_len]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return f"unreadable header ({e})"
-    stored_checksums = header.pop("__metadata__", None) or {}
+    header, error = _parse_header(bytes(blob[8 : 8 + header_len]))
     data = blob[8 + header_len :]
+    error = error or _extent_error(header, len(data))
+    if error is not None or not checksums:
+        return error
+    stored_checksums = header["__metadata__"]
     for key, info in header.items():
-        start, end = info["data_offsets"]
-        if end > len(data):
-            return f"{key!r} is truncated"
-        stored = stored_checksums.get(key)
-        if stored is None:
-            return f"{key!r} has no checksum"
-        if not checksums:
+        if key == "__metadata__":
             continue
-        expected = stored.split()
+        start, end = info["data_offsets"]
+        expected = stored_checksums[key].split()
         actual = byte_chunk_checksums(data[start:end], _ITEMSIZE[info["dtype"]])
         if len(actual) != len(expected) or any(int(e, 16) != a for e, a in zip(expected, actual)):
             return f"{key!r} does not match its checksum"
+    return None
+
+
+def _parse_header(raw: bytes) -> tuple[dict[str, Any], str | None]:
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return {}, f"unreadable header ({e})"
+    if not isinstance(header, dict):
+        return {}, "unreadable header (not a JSON object)"
+    header["__metadata__"] = header.get("__metadata__") or {}
+    return header, None
+
+
+def _extent_error(header: dict[str, Any], data_len: int) -> str | None:
+    """Each tensor within the data, with a checksum."""
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        if end > data_len:
+            return f"{key!r} is truncated"
+        if header["__metadata__"].get(key) is None:
+            return f"{key!r} has no checksum"
     return None
 
 

@@ -4,15 +4,16 @@ Example::
 
     stager = ShardStager(opt)
     staged = stager.stage(step=15)      # after the step: one copy per tensor into a free host buffer
-    piece = staged.encode()             # any thread: checksums and bytes; frees the buffer
+    manifest = staged.write(path)       # any thread: checksums and bytes into a file; frees the buffer
 
 # [Note: double buffer]
 # A snapshot stops training for one copy of this rank's rows of the fp32 masters and optimizer
 # state (12 bytes per element of its shard with AdamW), into one of two preallocated host buffers.
-# Everything slower (checksums, serializing, sending to the holders) runs in a background thread
-# from that copy, so the next step runs while the previous snapshot is still being encoded from the
-# other buffer. ``stage()`` waits only when both buffers are still being encoded (a snapshot asked
-# for before the one two snapshots back finished encoding); the caller's timing of ``stage()`` counts it.
+# Everything slower (the checksums and the bytes of the piece, written in one pass into a file in
+# the node's memory, and the holder's call) runs in a background thread from that copy, so the
+# next step runs while the previous snapshot is still being written from the other buffer.
+# ``stage()`` waits only when both buffers are still being written (a snapshot asked for before
+# the one two snapshots back finished); the caller's timing of ``stage()`` counts it.
 # On CUDA the copy itself is asynchronous: it runs on a side stream of the params' device into
 # pinned buffers, after the step's kernels, while the next forward and backward run; every later
 # writer of the copied tensors (the next step, a train()/eval() switch, a load) waits for it at the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +34,7 @@ import torch
 from hf_lowzero.checkpoint.layout import extra_key
 from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_tensors
 from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
-from hf_lowzero.snapshot.format import Piece, encode_piece
+from hf_lowzero.snapshot.format import Piece, encode_piece, write_piece
 from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.params import canonical_name
 
@@ -52,11 +54,20 @@ class Staged:
     release: Callable[[], None]
 
     def encode(self, **manifest_fields: Any) -> Piece:
-        """The piece (see ``format.encode_piece``), with ``manifest_fields`` added to its manifest;
-        frees the buffer."""
+        """The piece in memory (see ``format.encode_piece``), with ``manifest_fields`` added to its
+        manifest; frees the buffer."""
         try:
             dev.host_waits(self.copied)
             return encode_piece(self.shard, self.extras, {**self.manifest, **manifest_fields})
+        finally:
+            self.release()
+
+    def write(self, path: str | Path, **manifest_fields: Any) -> dict[str, Any]:
+        """Write the piece into the new file ``path`` in one pass ([Note: one pass over the shard]
+        in ``format.py``); returns its manifest and frees the buffer."""
+        try:
+            dev.host_waits(self.copied)
+            return write_piece(self.shard, self.extras, {**self.manifest, **manifest_fields}, path)
         finally:
             self.release()
 

@@ -1,0 +1,84 @@
+"""Where a node's snapshot pieces live: files in memory (``/dev/shm``), one folder per run and node.
+
+A rank writes its piece straight into a file of its node's folder ([Note: one pass over the shard]
+in ``format.py``); its node's holder then keeps the file's path, not a copy, and the file outlives
+the rank's process (a killed worker loses nothing its holder kept). ``/dev/shm`` is memory: a file
+there costs RAM, like the object store that Ray also keeps there, and goes with the node.
+
+Example::
+
+    folder = node_folder("run-1", node_id)            # /dev/shm/hf_lowzero_snapshots/run-1/<node_id>
+    path = piece_path(folder, step=15, rank=0)        # written by the rank, kept by the holder
+    read_range(path, 0, 8)                            # what a restore fetches
+
+# [Note: snapshot folder]
+# The root is ``$HF_LOWZERO_SNAPSHOT_DIR`` when set, else ``/dev/shm/hf_lowzero_snapshots`` when
+# ``/dev/shm`` exists and has MIN_SHM_FREE free (containers often mount 64 MiB there; Ray then
+# falls back for its object store too), else the temp folder (disk-backed files in the page cache:
+# slower under memory pressure, still no copy through Ray). A holder removes each file as soon as
+# the piece in it is no longer kept, and the run's folder when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+MIN_SHM_FREE = 1 << 30
+ENV = "HF_LOWZERO_SNAPSHOT_DIR"
+
+
+def snapshot_root() -> Path:
+    """The folder that holds every run's snapshot folders on this node ([Note: snapshot folder])."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    if SHM.is_dir() and os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free >= MIN_SHM_FREE:
+        return SHM / "hf_lowzero_snapshots"
+    return Path(tempfile.gettempdir()) / "hf_lowzero_snapshots"
+
+
+def node_folder(run_id: str, node_id: str) -> Path:
+    """The folder of run ``run_id``'s pieces kept on node ``node_id``, created if missing."""
+    folder = snapshot_root() / _safe(run_id) / _safe(node_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def piece_path(folder: Path, step: int, rank: int, copy: bool = False) -> Path:
+    """The file of rank ``rank``'s piece of ``step`` in ``folder`` (``copy``: a buddy node's copy)."""
+    return folder / f"{'copy-' if copy else ''}step{step:08d}-rank{rank:05d}.piece"
+
+
+def read_range(path: str | Path, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the file ``path``."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    if len(data) != end - start:
+        raise ValueError(f"{path}: {len(data)} bytes at {start}, expected {end - start}")
+    return data
+
+
+def remove_run_folder(run_id: str) -> None:
+    """Remove run ``run_id``'s folder on this machine, once the run is over: its node's pieces, and
+    on a machine that runs several Ray nodes (a local test cluster) every node's, a killed one's too."""
+    shutil.rmtree(snapshot_root() / _safe(run_id), ignore_errors=True)
+
+
+def run_folders() -> list[Path]:
+    """The runs' folders on this machine (a finished run leaves none)."""
+    root = snapshot_root()
+    return sorted(root.iterdir()) if root.is_dir() else []
+
+
+def unlink(path: str | Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
