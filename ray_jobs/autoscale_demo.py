@@ -32,6 +32,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-steps", type=int, default=10, help="steps of every trial and of the job")
     p.add_argument("--storage-path", default=None, help="where the sweep and the job write (default: a new temp dir)")
     a = p.parse_args(argv)
+    if a.max_steps < 1:
+        p.error(f"--max-steps {a.max_steps} is invalid; expected a number of steps >= 1")
     storage = Path(a.storage_path or tempfile.mkdtemp(prefix="hf_lowzero_autoscale_demo_")).resolve()
 
     with LocalAutoscalingCluster(ROOT / "ray_jobs" / "local_autoscaling.yaml") as cluster:

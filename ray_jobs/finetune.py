@@ -60,7 +60,10 @@ def parse_args(argv=None) -> tuple[str | None, str | None, RayFinetuneConfig]:
     if "storage_path" in given and "://" not in given["storage_path"]:
         given["storage_path"] = os.path.abspath(given["storage_path"])
     given.setdefault("name", f"{RayFinetuneConfig().name}_{time.strftime('%Y%m%d-%H%M%S')}")  # a new run
-    config = RayFinetuneConfig(**given)
+    try:
+        config = RayFinetuneConfig(**given)
+    except ValueError as e:  # a bad flag value: argparse's one line and exit status 2
+        p.error(str(e))
     address = a.address or os.environ.get("RAY_ADDRESS")
     export_dir = a.export_dir and os.path.abspath(a.export_dir)
     if not export_dir and not address and "://" not in config.storage_path:  # a local run exports by default

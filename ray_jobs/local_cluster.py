@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(Path(__file__).with_name("local_autoscaling.yaml")))
     a = p.parse_args(ours)
+    if not Path(a.config).is_file():
+        p.error(f"--config {a.config}: no such file")
     if not command:
         p.error("give the command to run after --, e.g. -- python examples/ray_sweep.py")
 

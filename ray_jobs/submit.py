@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-follow", action="store_true", help="return after submitting")
     p.add_argument("--timeout", type=float, default=3600)
     a = p.parse_args(ours)
+    if a.timeout <= 0:
+        p.error(f"--timeout {a.timeout} is invalid; expected seconds > 0")
     status = submit(a.address, finetune_args, follow=not a.no_follow, timeout_s=a.timeout)
     ok = status == JobStatus.SUCCEEDED or (a.no_follow and not status.is_terminal())
     sys.exit(0 if ok else 1)

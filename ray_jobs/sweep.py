@@ -56,6 +56,15 @@ def main(argv=None) -> None:
     p.add_argument("--max-concurrent", type=int, default=1, help="trials at once (each takes num-workers slots)")
     p.add_argument("--storage-path", default=str(Path.home() / "ray_results"))
     a = p.parse_args(argv)
+    for name in ("num_workers", "max_steps", "max_concurrent"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} is invalid; expected a number >= 1")
+    try:  # every trial's configuration, checked before anything starts
+        for lr in a.learning_rates:
+            for stage in a.zero_stages:
+                RayFinetuneConfig(learning_rate=lr, zero_stage=stage, num_workers=a.num_workers, max_steps=a.max_steps)
+    except ValueError as e:
+        p.error(str(e))
     address = a.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)

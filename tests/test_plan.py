@@ -169,8 +169,43 @@ def test_plan_command(tmp_path, capsys):
 
     assert plan_main([*argv, "--device-memory", "100KiB", "--backend", "gloo"]) == 1  # nothing fits: exit status 1
     assert "Nothing fits" in capsys.readouterr().out
-    assert plan_main([*argv, "--device-memory", "80XB"]) == 2
-    assert "device_memory='80XB' is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse's error line and exit status 2, no traceback
+        plan_main([*argv, "--device-memory", "80XB"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "error: device_memory='80XB' is invalid" in err and "Traceback" not in err
+
+
+def _cache_hub_config(hf_home, repo_id: str, config) -> None:
+    """``repo_id``'s config.json in a Hugging Face cache at ``hf_home``, as ``hf download`` leaves it."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    revision = "0" * 40
+    config.save_pretrained(repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_the_plan_takes_a_hub_id_from_the_cache_and_says_what_to_do_without_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet: the cache only
+    import huggingface_hub.constants
+    import transformers.utils.hub
+
+    for module in (huggingface_hub.constants, transformers.utils.hub):
+        for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    _cache_hub_config(tmp_path, "tiny-org/tiny-gpt2", tiny_model_spec("gpt2").config)
+    argv = ["--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB", "--backend", "gloo"]
+    assert plan_main(["--model", "tiny-org/tiny-gpt2", *argv]) == 0
+    assert "Memory plan: tiny-gpt2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        plan_main(["--model", "meta-llama/Llama-3.1-8B", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert "meta-llama/Llama-3.1-8B is no local path" in err[-1]
+    assert "pass a local directory or a config.json" in err[-1]
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,17 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_finetune_flags_map_onto_the_config(monkeypatch):
+def refused(parse, argv: list[str], capsys) -> str:
+    """A bad flag value gets argparse's treatment: exit status 2 and one ``error:`` line, no traceback."""
+    with pytest.raises(SystemExit) as exited:
+        parse(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_finetune_flags_map_onto_the_config(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local run: it exports by default
     sys.path.insert(0, str(ROOT / "ray_jobs"))
     from finetune import parse_args
@@ -23,20 +33,18 @@ def test_finetune_flags_map_onto_the_config(monkeypatch):
     address, export_dir, config = parse_args(["--offload-optimizer", "--zero-stage", "1", "--num-workers", "3"])
     assert address is None and export_dir == os.path.join(config.storage_path, config.name, "export")
     assert (config.offload_optimizer, config.zero_stage, config.num_workers) == (True, 1, 3)
-    with pytest.raises(ValueError, match="zero_stage=3 is invalid"):
-        parse_args(["--zero-stage", "3"])
+    assert "error: zero_stage=3 is invalid" in refused(parse_args, ["--zero-stage", "3"], capsys)
     config = parse_args(["--zero-stage", "auto", "--zero-device-memory", "40GiB"])[2]
     args = config.training_arguments("out", world_size=2)
     assert (config.zero_stage, config.snapshots, args.zero_stage, args.zero_device_memory) == (
         "auto", "auto", "auto", "40GiB"
     )  # fmt: skip
-    with pytest.raises(ValueError, match="zero_device_memory='lots' is invalid"):
-        parse_args(["--zero-stage", "auto", "--zero-device-memory", "lots"])
+    line = refused(parse_args, ["--zero-stage", "auto", "--zero-device-memory", "lots"], capsys)
+    assert "error: zero_device_memory='lots' is invalid" in line
     config = parse_args(["--optim", "adafactor", "--zero-partition", "params"])[2]
     args = config.training_arguments("out", world_size=2)
     assert (args.optim, args.to_zero_config().partition) == ("adafactor", "params")
-    with pytest.raises(ValueError, match="partition='whole' is invalid"):
-        parse_args(["--zero-partition", "whole"])
+    assert "partition='whole' is invalid" in refused(parse_args, ["--zero-partition", "whole"], capsys)
     assert parse_args(["--no-export"])[1] is None
     assert parse_args(["--address", "auto"])[1] is None  # a cluster run exports only when asked
     assert parse_args(["--address", "auto", "--export-dir", "out/final"])[1] == os.path.abspath("out/final")
@@ -44,7 +52,7 @@ def test_finetune_flags_map_onto_the_config(monkeypatch):
         parse_args(["--no-export", "--export-dir", "out/final"])
 
 
-def test_workers_get_cpus_for_the_host_step_and_a_collective_timeout(monkeypatch):
+def test_workers_get_cpus_for_the_host_step_and_a_collective_timeout(monkeypatch, capsys):
     """With --use-gpu each worker gets the GPU nodes' CPUs per GPU (Ray's default of 1 would run an
     offloaded AdamW step on one thread); the local CPU demo keeps Ray's default of one CPU."""
     sys.path.insert(0, str(ROOT / "ray_jobs"))
@@ -60,12 +68,9 @@ def test_workers_get_cpus_for_the_host_step_and_a_collective_timeout(monkeypatch
     assert parse_args(["--use-gpu", "--cpus-per-worker", "6"])[2].worker_resources(gpu_nodes) == {"CPU": 6, "GPU": 1}
     given = parse_args(["--resources-per-worker", '{"CPU": 3, "GPU": 1}'])[2]
     assert given.worker_resources(gpu_nodes) == {"CPU": 3, "GPU": 1}
-    with pytest.raises(ValueError, match="cpus_per_worker='many' is invalid"):
-        parse_args(["--cpus-per-worker", "many"])
-    with pytest.raises(ValueError, match="both set"):
-        parse_args(["--cpus-per-worker", "2", "--resources-per-worker", '{"CPU": 2}'])
-    with pytest.raises(ValueError, match="collective_timeout_s=0 is invalid"):
-        parse_args(["--collective-timeout-s", "0"])
+    assert "cpus_per_worker='many' is invalid" in refused(parse_args, ["--cpus-per-worker", "many"], capsys)
+    assert "both set" in refused(parse_args, ["--cpus-per-worker", "2", "--resources-per-worker", '{"CPU": 2}'], capsys)
+    assert "collective_timeout_s=0 is invalid" in refused(parse_args, ["--collective-timeout-s", "0"], capsys)
     trainer = build_trainer(parse_args(["--collective-timeout-s", "90"])[2])
     assert trainer.backend_config.timeout_s == 90 and trainer.scaling_config.resources_per_worker == {"CPU": 1}
 
@@ -85,3 +90,17 @@ def test_an_offloaded_run_says_how_many_threads_its_host_step_gets(tmp_path, cap
     import torch
 
     assert f"offloaded optimizer steps run on the host with {torch.get_num_threads()} threads" in caplog.text
+
+
+def test_bad_values_of_every_ray_job_get_argparse_errors(capsys):
+    sys.path.insert(0, str(ROOT / "ray_jobs"))
+    import autoscale_demo
+    import finetune
+    import submit
+    import sweep
+
+    assert "max_steps and save_steps must be >= 1" in refused(finetune.parse_args, ["--max-steps", "0"], capsys)
+    assert "zero_stage=3 is invalid" in refused(sweep.main, ["--zero-stages", "1", "3"], capsys)
+    assert "--max-concurrent 0 is invalid" in refused(sweep.main, ["--max-concurrent", "0"], capsys)
+    assert "--timeout -1.0 is invalid" in refused(submit.main, ["--timeout", "-1"], capsys)
+    assert "--max-steps 0 is invalid" in refused(autoscale_demo.main, ["--max-steps", "0"], capsys)

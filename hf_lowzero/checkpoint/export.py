@@ -43,6 +43,21 @@ def consolidate_checkpoint(
 
         >>> weights = consolidate_checkpoint("out/checkpoint-100/zero_optimizer", base=model)
         >>> model.load_state_dict(weights)
+
+    Args:
+        path: The checkpoint directory (the one holding ``zero_meta.json``).
+        base: The model, or its state dict, that supplies the frozen params and persistent buffers a
+            checkpoint saved with ``model_extras=False`` left out; unused (may be None) for a checkpoint
+            that holds them.
+
+    Returns:
+        Every param and persistent buffer of the model by name, each a full tensor on the CPU.
+
+    Raises:
+        CheckpointError: The checkpoint is incomplete or corrupted (missing or unreadable metadata, a
+            missing or truncated file, a tensor that is missing, of another shape or fails its checksum),
+            or it needs ``base`` and ``base`` is None or lacks (or has other shapes for) the params and
+            buffers it should supply.
     """
     path = Path(path)
     meta = read_metadata(path)
@@ -86,6 +101,13 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any] | None:
     State tensors are full-size (the param's shape, unpadded, fp32); ``param_groups`` list params
     by position like ``torch.optim.Optimizer.state_dict()`` and by ``param_names``, so the result
     loads into a plain torch optimizer built over the same params in the same groups.
+
+    Args:
+        opt: The optimizer whose state to gather; every rank of its process group must call this.
+
+    Returns:
+        On rank 0, ``{"state": ..., "param_groups": ...}`` as ``torch.optim.Optimizer.state_dict()``
+        returns it; None on every other rank.
     """
     view = ShardView.of(opt)
     state: dict[int, dict[str, Any]] = {}

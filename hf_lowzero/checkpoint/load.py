@@ -44,6 +44,22 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
 
     Returns a summary: the saved world size and stage, and the rank files this rank read.
     See [Note: validate, agree, then mutate].
+
+    Args:
+        opt: The optimizer to load into; built over the same params in the same groups as the saved
+            run's. Every rank of its process group must call this.
+        path: The checkpoint directory (the one holding ``zero_meta.json``), saved at any world size.
+
+    Returns:
+        ``{"saved_world_size": ..., "saved_stage": ..., "files_read": [...]}``: the world size and stage
+        the checkpoint was saved at, and the names of the files this rank read.
+
+    Raises:
+        CheckpointError: On every rank alike, when any rank could not load: the checkpoint is incomplete
+            or corrupted, or of another model (params, shapes, frozen params or buffers differ), or its
+            param groups differ from ``opt``'s, or it holds optimizer state ``opt`` cannot take (state
+            saved whole, which row shards cannot split; a packed state class that does not import).
+            Nothing of ``opt`` or the model was changed then.
     """
     path = Path(path)
     view = ShardView.of(opt)
@@ -103,7 +119,8 @@ def _check_compatible(view: ShardView, extras: dict, meta: dict[str, Any], where
 
 def _whole_state(reader: ShardReader, name: str, saved: dict[str, Any], shard, param) -> dict[str, Any]:
     """The non-element-wise state of a param saved whole (factored moments, block scales, packed
-    8-bit/4-bit states), read from its saved owner's file; only a whole-owned param can take it."""
+    8-bit/4-bit states), read from its saved owner's file; only a whole-owned param can take it.
+    """
     whole, packed = saved.get("whole_state", {}), saved.get("packed_state", {})
     if not (whole or packed):
         return {}
@@ -131,7 +148,8 @@ def _whole_state(reader: ShardReader, name: str, saved: dict[str, Any], shard, p
 
 def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, Any]):
     """This rank's shard as a state dict for ``opt.load_state_dict``, read into new tensors, and
-    the model's extras; nothing of the optimizer or model is touched."""
+    the model's extras; nothing of the optimizer or model is touched.
+    """
     masters, state = {}, {}
     for pos, name in enumerate(view.names):
         saved, shard = meta["params"][name], view.shards[pos]

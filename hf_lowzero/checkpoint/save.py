@@ -56,6 +56,20 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     complete model. With ``model_extras=False`` only their names and shapes are recorded: for
     callers that save the model themselves (the Trainer; a LoRA run whose frozen base is the
     pretrained model). Loadable at any world size with :func:`hf_lowzero.load_checkpoint`.
+
+    Args:
+        opt: The optimizer to save; every rank of its process group must call this.
+        path: The checkpoint directory to write; an existing one is replaced once the new one is complete.
+        model_extras: Whether to store the model's frozen params and persistent buffers too (rank 0
+            writes them); False records only their names and shapes.
+
+    Returns:
+        ``path``, as a ``Path``.
+
+    Raises:
+        ValueError: An optimizer state entry cannot be saved: a state tensor of a row-shard param that
+            is neither element-wise nor a single value, or a packed state with an attribute JSON cannot
+            hold.
     """
     path = Path(path)
     partial = Path(partial_dir(path))
@@ -102,6 +116,17 @@ def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, A
     wherever they are: callers copy them) and the state records of the whole params it owns (their
     owner is the only rank that can describe them). A memory snapshot holds the same tensors
     (``hf_lowzero.snapshot``).
+
+    Args:
+        view: This rank's shard.
+
+    Returns:
+        The tensors by key (``layout.master_key``, ``layout.state_key``) and the state records of the
+        whole params this rank owns, by param name.
+
+    Raises:
+        ValueError: The state of a whole param this rank owns cannot be described in JSON (see
+            ``state_record``).
     """
     tensors, records = {}, {}
     for pos, name in enumerate(view.names):
@@ -124,7 +149,20 @@ def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, A
 
 
 def state_record(view: ShardView, pos: int) -> dict[str, Any]:
-    """What a loader needs to know of param ``pos``'s optimizer state, from a rank that holds it."""
+    """What a loader needs to know of param ``pos``'s optimizer state, from a rank that holds it.
+
+    Args:
+        view: The shard of a rank that holds the param's state.
+        pos: The param's position (torch's numbering over the groups).
+
+    Returns:
+        The param's shape, size, dtype and owner, and the names, kinds and dtypes of its state entries,
+        as ``zero_meta.json`` records them.
+
+    Raises:
+        ValueError: A state entry cannot be described in JSON: a tensor of a row-shard param that is
+            neither element-wise nor a single value, or a packed state's attribute of an unsupported type.
+    """
     p = view.params[pos]
     rows = view.row_state(pos)
     record = {
@@ -159,7 +197,21 @@ def checkpoint_metadata(
 ) -> dict[str, Any]:
     """``zero_meta.json`` as rank 0 writes it: ``described`` holds every whole param's state record
     (from its owner), ``sizes`` each rank file's bytes, ``extras_size`` the extras file's bytes, or
-    None when the extras are left to the model's own save (only their names and shapes are kept)."""
+    None when the extras are left to the model's own save (only their names and shapes are kept).
+
+    Args:
+        view: Rank 0's shard.
+        described: Every whole param's state record, by name, from the rank that owns it.
+        extras: The model's frozen params and persistent buffers, by name.
+        sizes: The bytes of each rank file, by rank.
+        extras_size: The bytes of the extras file, or None when the extras are not stored.
+
+    Returns:
+        The metadata as a JSON-ready dict.
+
+    Raises:
+        ValueError: A hyperparameter or state entry cannot be described in JSON (see ``state_record``).
+    """
     stored = extras_size is not None
     params = {name: described.get(name) or state_record(view, pos) for pos, name in enumerate(view.names)}
     groups = [

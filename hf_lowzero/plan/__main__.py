@@ -26,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Other flags are TrainingArguments flags (--bf16, --optim, --per_device_train_batch_size, "
         "--gradient_checkpointing, --gradient_accumulation_steps, --zero_config, ...).",
     )
-    parser.add_argument("--model", required=True, help="a model directory or a config.json")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a model directory, a config.json, or a Hugging Face Hub id (its config only: from the local cache, "
+        "or from the Hub when online)",
+    )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs) in all")
     parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
     parser.add_argument("--host-memory", default=None, help="host memory available per node, to check offload against")
@@ -78,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             backend=own.backend,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        parser.error(str(e))  # argparse's one line and exit status 2, as for a flag it parses itself
     print(plan.to_text())
     if own.json:
         from pathlib import Path

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +155,36 @@ def _load_config(path: str):
         if "model_type" not in data:
             raise ValueError(f"{path} has no 'model_type': expected a transformers config.json")
         return AutoConfig.for_model(**data)
+    if _HUB_ID.match(path):
+        return _hub_config(path)
     raise FileNotFoundError(f"{path} is neither a model directory nor a config.json file")
+
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "gpt2", "meta-llama/Llama-3.1-8B"
+
+
+def _hub_config(repo_id: str):
+    """The config of Hub model ``repo_id``, as ``accelerate estimate-memory`` reads it: from the local
+    Hugging Face cache, else from the Hub (only ``config.json``; no weights are downloaded)."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from transformers import AutoConfig
+
+    todo = f"pass a local directory or a config.json (e.g. downloaded with `hf download {repo_id} config.json`)"
+    try:
+        return AutoConfig.from_pretrained(repo_id)
+    except GatedRepoError:
+        raise FileNotFoundError(
+            f"{repo_id} is a gated model on the Hugging Face Hub: accept its terms on huggingface.co and log in "
+            f"(`hf auth login`), or {todo}"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{repo_id} is no local path and no model on the Hugging Face Hub; {todo}") from None
+    except (OSError, ValueError) as e:  # offline and not cached, or a config transformers cannot read
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(
+            f"{repo_id} is no local path, and its config is neither in the Hugging Face cache nor reachable on the "
+            f"Hub ({reason}); {todo}"
+        ) from None
 
 
 def _class_for(config) -> type:

@@ -54,6 +54,17 @@ def parse_bytes(value: int | float | str, name: str = "memory") -> int:
 
         >>> parse_bytes("80GiB")
         85899345920
+
+    Args:
+        value: A positive number of bytes, or a size with an optional unit: B, kB/MB/GB/TB (powers of
+            1000; k/m/g/t alike), KiB/MiB/GiB/TiB (powers of 1024); case does not matter.
+        name: The setting's name, for the error message.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: ``value`` is a bool, not positive, or not a size in a known unit.
     """
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is invalid; expected a size such as 80GiB, 40GB or a number of bytes")
@@ -68,6 +79,19 @@ def parse_bytes(value: int | float | str, name: str = "memory") -> int:
 
 
 def format_bytes(nbytes: float) -> str:
+    """A byte count for people: in the largest binary unit it reaches, with two decimals.
+
+    Example::
+
+        >>> format_bytes(85899345920), format_bytes(512)
+        ('80.00 GiB', '512 B')
+
+    Args:
+        nbytes: The number of bytes (may be negative: a shortfall).
+
+    Returns:
+        The size in TiB, GiB, MiB or KiB, or in whole bytes below 1 KiB.
+    """
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
             return f"{nbytes / size:.2f} {unit}"
@@ -76,7 +100,22 @@ def format_bytes(nbytes: float) -> str:
 
 @dataclass
 class PlanRow:
-    """One setup's memory on the busiest rank (see the module docstring). Bytes throughout."""
+    """One setup's memory on the busiest rank (see the module docstring). Bytes throughout.
+
+    Args:
+        stage: The ZeRO stage (0: DDP).
+        offload: Whether the optimizer is offloaded to host memory.
+        label: The setup's name in the table, such as ``"stage 2 + offload"``.
+        partition: How ZeRO owns optimizer state for this optimizer: ``"rows"``, ``"params"``, ``"-"`` for DDP.
+        peak_bytes: The simulated peak of device memory in one step.
+        host_bytes: The host memory one rank holds (with offload).
+        breakdown: The peak split into model states and residual states, by part (``simulate.PARTS``).
+        model_state_bytes: The ZeRO paper's model states at the peak.
+        sent_bytes_per_step: The bytes one rank sends in one optimizer step.
+        fits: Whether the peak fits the usable device memory (and, if checked, the host memory).
+        headroom_bytes: Usable device memory minus the peak (negative: the shortfall).
+        max_batch_size: The largest per-device batch whose peak fits; 0: not even one sample.
+    """
 
     stage: int
     offload: bool
@@ -95,7 +134,26 @@ class PlanRow:
 @dataclass
 class MemoryPlan:
     """A plan: ``rows`` (one ``PlanRow`` per setup), ``recommended`` (one of them, or None when
-    nothing fits) and ``reason`` (why, or what would fit)."""
+    nothing fits) and ``reason`` (why, or what would fit).
+
+    Args:
+        model: The model's name.
+        total_params: The model's number of params.
+        trainable_params: The number of them that are trained.
+        world_size: The planned number of data-parallel ranks.
+        device_memory: Bytes of memory per device.
+        usable_memory: The part of ``device_memory`` a step's peak may take (less the reserve).
+        host_memory: Host memory per node in bytes, or None (offload unchecked).
+        ranks_per_node: The ranks that share a node's host memory.
+        batch_size: The planned per-device batch.
+        seq_len: Tokens per sample.
+        training: What was planned for: optimizer, dtype, accumulation, gradient checkpointing, master dtype.
+        rows: One row per setup.
+        recommended: The recommended row, or None when nothing fits.
+        reason: Why that row, or what would fit.
+        checked_batch: The setup and batch the largest batch was checked at by a simulation of its own.
+        simulated_on: ``"cuda"`` (fake GPUs, the GPU code paths) or ``"cpu"`` (fake CPU tensors).
+    """
 
     model: str
     total_params: int
@@ -115,12 +173,34 @@ class MemoryPlan:
     simulated_on: str = "cpu"  # "cuda": fake GPUs, the GPU code paths ([Note: planning on fake GPUs])
 
     def row(self, stage: int, offload: bool = False) -> PlanRow:
+        """The row of one setup.
+
+        Args:
+            stage: The ZeRO stage (0: DDP).
+            offload: Whether with optimizer offload (stages 1 and 2 only).
+
+        Returns:
+            The setup's row.
+
+        Raises:
+            StopIteration: The plan has no such setup (stage 0 with offload).
+        """
         return next(r for r in self.rows if r.stage == stage and r.offload == offload)
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as plain dicts and lists (rows included), for JSON.
+
+        Returns:
+            The plan's fields by name.
+        """
         return asdict(self)
 
     def to_text(self) -> str:
+        """The plan as a table and the recommendation, for a console (see :func:`render`).
+
+        Returns:
+            The text, lines separated by newlines.
+        """
         return render(self)
 
 
@@ -150,6 +230,33 @@ def plan_memory(
     (DPO, GRPO); ``reserve``: the fraction of device memory kept for the CUDA context and
     fragmentation; ``backend``: the collectives' backend of the planned run (``"nccl"`` on GPUs,
     ``"gloo"`` on CPU), whose code paths the simulation takes.
+
+    Args:
+        model_or_config: What to train: a model directory or ``config.json`` path, a transformers
+            ``PretrainedConfig`` or ``PreTrainedModel``, or a PEFT model. Only its config is used.
+        args: The run's ``TrainingArguments`` (batch, accumulation, optimizer, dtype, ZeRO knobs); None
+            for the defaults.
+        world_size: The number of data-parallel ranks to plan for (>= 1).
+        device_memory: Memory per device: bytes or a size such as ``"80GiB"``.
+        seq_len: Tokens per sample; None: the model's maximum positions, capped at 2048.
+        host_memory: Host memory available per node (bytes or a size), to check offload against; None
+            leaves it unchecked.
+        ranks_per_node: The ranks sharing a node's host memory; None: ``min(world_size, 8)``.
+        lora_r: Plan a LoRA adapter of this rank on the model; None: none (a PEFT model brings its own).
+        lora_targets: The module names the adapter targets; None: PEFT's defaults for the model.
+        ref_model: Whether the run also holds a frozen reference copy of the model (DPO, GRPO).
+        reserve: The fraction of device memory kept for the CUDA context and fragmentation, in [0, 1).
+        backend: The planned run's collectives backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPU).
+
+    Returns:
+        The plan: a row per setup, the recommended one (or None) and the reason.
+
+    Raises:
+        ValueError: An argument is invalid (``world_size``, ``reserve``, a memory size,
+            ``ranks_per_node``, ``seq_len``, ``lora_r``), or a config file is not a transformers config,
+            or transformers has no model class for it.
+        TypeError: ``model_or_config`` is of a kind that cannot be planned for.
+        FileNotFoundError: A path given as ``model_or_config`` is neither a directory nor a file.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid; expected the number of data-parallel ranks (>= 1)")
@@ -235,7 +342,8 @@ def plan_memory(
 
 def _busiest_rank(simulate, setup: Setup, batch: int) -> StepMemory:
     """The rank holding the most: rank 0 with row shards (every rank holds the same, up to padding);
-    with whole-param ownership the rank that owns the most elements (its state and masters)."""
+    with whole-param ownership the rank that owns the most elements (its state and masters).
+    """
     step = simulate(setup, batch)
     if not step.owned_numel:
         return step
@@ -348,7 +456,14 @@ def _count(n: int) -> str:
 
 
 def render(plan: MemoryPlan) -> str:
-    """The plan as a table and the recommendation, for a console."""
+    """The plan as a table and the recommendation, for a console.
+
+    Args:
+        plan: The plan.
+
+    Returns:
+        The text, lines separated by newlines.
+    """
     t = plan.training
     lines = [
         f"Memory plan: {plan.model}, {_count(plan.total_params)} params ({_count(plan.trainable_params)} "

@@ -44,7 +44,63 @@ def _opt(default, help: str, **kwargs):
 
 @dataclass(kw_only=True)
 class RayFinetuneConfig:
-    """Everything the Ray job needs; ``ray_jobs/finetune.py`` turns each field into a flag."""
+    """Everything the Ray job needs; ``ray_jobs/finetune.py`` turns each field into a flag.
+
+    Every field is a keyword argument; each flag's help says the same as its entry here.
+
+    Args:
+        num_workers: Ray workers, one process per rank (one GPU each with ``use_gpu``); ``(MIN, MAX)``
+            (``"MIN-MAX"`` on the command line) for elastic training.
+        resize_check_interval_s: With MIN-MAX workers: seconds between checks whether the group can grow.
+        use_gpu: Place one worker per GPU and use NCCL (gloo on CPU otherwise).
+        resources_per_worker: Ray resources per worker as a JSON object, e.g. ``'{"CPU": 8, "GPU": 1}'``;
+            None: one GPU (with ``use_gpu``) and ``cpus_per_worker`` CPUs.
+        cpus_per_worker: CPUs Ray gives each worker (its threads for offloaded optimizer steps and data
+            loading); ``"auto"``: with ``use_gpu`` the CPUs per GPU of the cluster's GPU nodes (1 when
+            none is up yet), 1 otherwise.
+        collective_timeout_s: Seconds a collective may wait before the process group gives up
+            ([Note: a lost rank under NCCL] in ``recipe.py``).
+        zero_stage: 0 (plain Trainer/DDP), 1 (shard optimizer states), 2 (also gradients) or ``"auto"``
+            (what a memory plan of this run recommends for the workers' free device memory).
+        zero_device_memory: With ``zero_stage="auto"``: plan for this much memory per device (e.g.
+            ``"40GiB"``), not the free memory.
+        zero_partition: ``"rows"`` (slices of every tensor), ``"params"`` (whole tensors, any optimizer)
+            or ``"auto"`` (by optimizer).
+        optim: The Trainer's ``optim`` (``adamw_torch``, ``adafactor``, ``adamw_torch_8bit``, ...).
+        max_steps: Optimizer steps in total.
+        save_steps: Checkpoint (and report to Ray) every this many steps.
+        checkpoint_upload: ``"async"`` uploads checkpoints in the background; ``"sync"``: training waits.
+        learning_rate: The peak learning rate.
+        per_device_train_batch_size: Sequences per worker per micro-batch.
+        gradient_accumulation_steps: Micro-batches per optimizer step.
+        global_batch_size: Sequences per optimizer step on all workers; sets
+            ``gradient_accumulation_steps`` for each attempt's world size to keep it.
+        bf16: bf16 params with fp32 master rows.
+        offload_optimizer: Keep the fp32 master rows, optimizer state and gradient rows in host memory.
+        zero_config: Other ``ZeroConfig`` fields as a JSON object.
+        model_name_or_path: A local ``save_pretrained`` directory; None: a tiny GPT-2.
+        train_file: A plain-text corpus; None: the one shipped with hf_lowzero.
+        storage_path: Where Ray keeps checkpoints: local, shared, or ``s3://...`` (default: ``~/ray_results``).
+        name: The run's name; a rerun with the same name and storage resumes it.
+        max_failures: Worker-group restarts before giving up.
+        snapshot_every: ZeRO stages: keep snapshots of the training state in node memory every this many
+            steps, ``"auto"`` (the interval that costs at most 2% of training time) or ``"off"``/None.
+        verify_every: Integrity checks every this many steps, ``"auto"`` (within 1% of step time) or
+            ``"off"``.
+        on_mismatch: A failed integrity check: ``"raise"`` (stop) or ``"rollback"`` (restart from the
+            newest memory snapshot taken at a verified step; needs snapshots).
+        inject_failure_at_step: Kill one worker process once, at this step (demos, tests); None: never.
+        inject_corruption_at_step: Flip a bit of the last rank's reduced gradients once, at this step, on
+            the first attempt (demos, tests); None: never.
+        num_to_keep: Checkpoints Ray keeps.
+        seed: The seed for model init and data order.
+
+    Raises:
+        ValueError: A field is invalid (each message names it), or two fields conflict
+            (``global_batch_size`` with ``gradient_accumulation_steps``, ``cpus_per_worker`` with
+            ``resources_per_worker``), or ``global_batch_size`` is not a multiple of
+            ``per_device_train_batch_size`` times every worker count the run may have.
+    """
 
     num_workers: int | tuple[int, int] = _opt(
         2, "Ray workers, one process per rank (one GPU each with --use-gpu); MIN-MAX (e.g. 2-8) for elastic training"
@@ -164,7 +220,8 @@ class RayFinetuneConfig:
     @property
     def snapshots(self) -> int | str | None:
         """The memory snapshot interval the job runs with: none without ZeRO (no shards to keep; with
-        ``zero_stage="auto"`` the workers drop it if the plan picks stage 0)."""
+        ``zero_stage="auto"`` the workers drop it if the plan picks stage 0).
+        """
         return self.snapshot_every if self.zero_stage != 0 else None
 
     @property
@@ -173,13 +230,31 @@ class RayFinetuneConfig:
         return worker_range(self.num_workers)[-1]
 
     def gradient_accumulation_for(self, world_size: int) -> int:
-        """Micro-batches per optimizer step at ``world_size`` (see [Note: global batch across resizes])."""
+        """Micro-batches per optimizer step at ``world_size`` (see [Note: global batch across resizes]).
+
+        Args:
+            world_size: The number of workers.
+
+        Returns:
+            ``gradient_accumulation_steps``, or with ``global_batch_size`` the accumulation that keeps it.
+
+        Raises:
+            ValueError: ``global_batch_size`` is not a multiple of ``per_device_train_batch_size *
+                world_size``.
+        """
         if self.global_batch_size is None:
             return self.gradient_accumulation_steps
         return accumulation_for_global_batch(self.global_batch_size, self.per_device_train_batch_size, world_size)
 
     def resources_per_worker_dict(self) -> dict[str, float] | None:
-        """``resources_per_worker`` parsed (None: Ray's default, 1 GPU or 1 CPU)."""
+        """``resources_per_worker`` parsed (None: Ray's default, 1 GPU or 1 CPU).
+
+        Returns:
+            Resource names to amounts, or None when ``resources_per_worker`` is None.
+
+        Raises:
+            ValueError: ``resources_per_worker`` is not a JSON object of names to non-negative amounts.
+        """
         if self.resources_per_worker is None:
             return None
         try:
@@ -203,6 +278,12 @@ class RayFinetuneConfig:
 
             >>> RayFinetuneConfig(use_gpu=True).worker_resources([{"CPU": 48.0, "GPU": 4.0}, {"CPU": 8.0}])
             {'CPU': 12, 'GPU': 1}
+
+        Args:
+            nodes: The resources of each alive node of the cluster (empty when Ray is not started yet).
+
+        Returns:
+            Resource names to amounts, as ``ScalingConfig(resources_per_worker=...)`` takes them.
         """
         given = self.resources_per_worker_dict()
         if given is not None:
@@ -222,6 +303,17 @@ class RayFinetuneConfig:
 
             config = RayFinetuneConfig(max_steps=3)
             trainer, metrics = finetune_clm(config.clm_arguments(), config.training_arguments("out", 2))
+
+        Args:
+            output_dir: The Trainer's ``output_dir``.
+            world_size: The number of workers training together.
+
+        Returns:
+            The arguments.
+
+        Raises:
+            ValueError: ``zero_config`` is not a JSON object of ``ZeroConfig`` fields, or the arguments are
+                invalid together (``LowZeroTrainingArguments``' and ``TrainingArguments``' own checks).
         """
         given = _fields_named_like(self, LowZeroTrainingArguments, TRAINING_ARGUMENT_NAMES)
         given |= JOB_TRAINING_ARGUMENTS
@@ -236,6 +328,9 @@ class RayFinetuneConfig:
         Example::
 
             RayFinetuneConfig(model_name_or_path="models/gpt2").clm_arguments().model_name_or_path
+
+        Returns:
+            The recipe's model and data arguments.
         """
         given = _fields_named_like(self, ClmArguments)
         return ClmArguments(**{k: v for k, v in given.items() if v is not None})

@@ -66,12 +66,18 @@ class ConsoleProgress(TrainerCallback):
         trainer.add_callback(ConsoleProgress(attempt=1))
         # [hf_lowzero] attempt 1: training 40 steps on 2 workers, ZeRO stage 2
         # step  1/40 [....................]   2% | loss 5.4810 | lr 3.00e-03 | grad_norm 2.861 | world 2
+
+    Args:
+        attempt: The run's attempt number, or None to leave it out of the first line.
     """
 
     def __init__(self, attempt: int | None = None) -> None:
         self.attempt = attempt
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """Log on the first rank what this attempt does: train from the start, or resume at which step, on
+        how many workers and at which ZeRO stage; with optimizer offload also the host threads per worker.
+        """
         if not state.is_world_process_zero:
             return
         if state.global_step:
@@ -89,6 +95,7 @@ class ConsoleProgress(TrainerCallback):
             )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Log on the first rank the progress line of each logging step that has a loss."""
         if state.is_world_process_zero and logs and "loss" in logs:
             logger.info(progress_line(state.global_step, state.max_steps, logs, args.world_size))
 
@@ -100,6 +107,16 @@ def progress_line(step: int, max_steps: int, logs: dict[str, float], world_size:
 
         >>> progress_line(12, 40, {"loss": 3.214, "learning_rate": 2.1e-3, "grad_norm": 1.234}, 2)
         'step 12/40 [######..............]  30% | loss 3.2140 | lr 2.10e-03 | grad_norm 1.234 | world 2'
+
+    Args:
+        step: The optimizer step just taken.
+        max_steps: The steps in total.
+        logs: The step's logged values: ``loss``, and if present ``learning_rate``, ``grad_norm``,
+            ``skipped_steps``.
+        world_size: The number of workers.
+
+    Returns:
+        The line, without a newline.
     """
     done = BAR_WIDTH * step // max_steps  # full only at the last step
     width = len(str(max_steps))
@@ -149,6 +166,9 @@ def start_local_ray(num_cpus: int) -> None:
         quiet_ray_train()
         start_local_ray(num_cpus=3)
         result = run_finetune(RayFinetuneConfig(num_workers=2))
+
+    Args:
+        num_cpus: The CPUs the instance offers its tasks and actors.
     """
     dashboard_port = _free_port()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -38,7 +38,17 @@ _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
 def parse_num_workers(value: int | str | Sequence[int]) -> int | tuple[int, int]:
-    """``4``/``"4"`` -> 4 (a fixed size); ``(1, 4)``/``"1-4"`` -> (1, 4) (elastic, min to max)."""
+    """``4``/``"4"`` -> 4 (a fixed size); ``(1, 4)``/``"1-4"`` -> (1, 4) (elastic, min to max).
+
+    Args:
+        value: A worker count (an int or its digits), or a range as ``(MIN, MAX)`` or ``"MIN-MAX"``.
+
+    Returns:
+        The count, or ``(MIN, MAX)``; a range with MIN equal to MAX becomes that count.
+
+    Raises:
+        ValueError: ``value`` is not a count >= 1 or a range with ``1 <= MIN <= MAX``.
+    """
     if isinstance(value, str):
         match = _RANGE.match(value)
         if match:
@@ -65,6 +75,12 @@ def worker_range(num_workers: int | tuple[int, int]) -> range:
 
     >>> list(worker_range((1, 3))), list(worker_range(2))
     ([1, 2, 3], [2])
+
+    Args:
+        num_workers: A worker count, or ``(MIN, MAX)``.
+
+    Returns:
+        The world sizes from MIN to MAX, both included.
     """
     low, high = (num_workers, num_workers) if isinstance(num_workers, int) else num_workers
     return range(low, high + 1)
@@ -72,7 +88,19 @@ def worker_range(num_workers: int | tuple[int, int]) -> range:
 
 def accumulation_for_global_batch(global_batch_size: int, per_device: int, world_size: int) -> int:
     """Micro-batches per optimizer step that keep ``global_batch_size`` sequences per step at
-    ``world_size`` (see [Note: global batch across resizes])."""
+    ``world_size`` (see [Note: global batch across resizes]).
+
+    Args:
+        global_batch_size: Sequences per optimizer step on all workers together.
+        per_device: Sequences per worker per micro-batch (``per_device_train_batch_size``).
+        world_size: The number of workers.
+
+    Returns:
+        ``global_batch_size // (per_device * world_size)``, the ``gradient_accumulation_steps`` to train with.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not a positive multiple of ``per_device * world_size``.
+    """
     per_micro_step = per_device * world_size
     if global_batch_size < 1 or global_batch_size % per_micro_step:
         raise ValueError(
@@ -96,4 +124,5 @@ class RecordWorldSize(TrainerCallback):
     """
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add this attempt's world size to the log entry the Trainer just appended."""
         state.log_history[-1]["world_size"] = dist.get_world_size()  # the entry Trainer.log just appended

@@ -37,7 +37,17 @@ class InjectWorkerFailure(TrainerCallback):
     ``during="snapshot"`` kills it instead while the memory snapshot of ``step`` is being taken: after
     its pieces landed on the holders and before it marked them, so that snapshot is torn (never
     complete) and the restart resumes the one before ([Note: complete snapshot]). ``step`` must
-    then be a snapshot step."""
+    then be a snapshot step.
+
+    Args:
+        step: The step at which to kill the worker.
+        run_dir: The run's folder in storage, shared by every attempt, where the marker file goes.
+        during: ``"step"`` (at the end of the step, or after its checkpoint report) or ``"snapshot"``
+            (while the step's memory snapshot is being taken).
+
+    Raises:
+        ValueError: ``during`` is neither ``"step"`` nor ``"snapshot"``.
+    """
 
     def __init__(self, step: int, run_dir: Path, during: str = "step") -> None:
         if during not in ("step", "snapshot"):
@@ -48,6 +58,10 @@ class InjectWorkerFailure(TrainerCallback):
         self._kill_after_report = False
 
     def on_step_end(self, args, state, control, **kwargs):
+        """At ``step``, on the first attempt: the last rank writes the marker and dies at once, or arms its
+        death for right after the step's checkpoint report (a save step) or for its memory snapshot
+        (``during="snapshot"``).
+        """
         if state.global_step != self.step or self.marker.exists():
             return
         for taker in snapshot_takers():  # a snapshot on its way lands first, as a storage report is committed
@@ -68,6 +82,7 @@ class InjectWorkerFailure(TrainerCallback):
             self._kill_after_report = True
 
     def on_save(self, args, state, control, **kwargs):
+        """Kill the last rank right after its checkpoint report, when ``on_step_end`` armed it."""
         # Runs right after ReportShardedCheckpoints.on_save and nothing in between blocks, so the
         # upload that report() started in the background is still in flight: its report never arrives.
         if self._kill_after_report:
@@ -82,7 +97,12 @@ class InjectCorruption(TrainerCallback):
     the first attempt that reaches it (a marker file in the run's storage folder remembers it): a
     transient hardware fault, for demos and tests of the integrity checks (``hf_lowzero.zero.faults``).
     With ``verify_every=1`` the check of ``step`` catches it; with ``on_mismatch="rollback"`` the
-    restart resumes from the snapshot before it and ends as the run without the fault."""
+    restart resumes from the snapshot before it and ends as the run without the fault.
+
+    Args:
+        step: The step whose reduced gradients get the flipped bit.
+        run_dir: The run's folder in storage, shared by every attempt, where the marker file goes.
+    """
 
     def __init__(self, step: int, run_dir: Path) -> None:
         self.step = step
@@ -90,6 +110,7 @@ class InjectCorruption(TrainerCallback):
         self._injecting = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """On the first attempt that has ``step`` ahead: write the marker and arm the fault on the last rank."""
         from hf_lowzero.zero.faults import Fault, inject
 
         due = not self.marker.exists() and state.global_step < self.step
@@ -104,6 +125,7 @@ class InjectCorruption(TrainerCallback):
             self._injecting.__enter__()
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Disarm the fault if it is still armed."""
         if self._injecting is not None:
             self._injecting.__exit__(None, None, None)
             self._injecting = None

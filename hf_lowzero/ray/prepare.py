@@ -58,14 +58,25 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
     ``zero_on_mismatch="rollback"`` the restart resumes from the newest verified memory snapshot, and
     a fault that repeats on one node stops the run there, naming it.
 
-    Raises ``RuntimeError`` outside a Ray Train worker (call it inside the training function) or
-    when the trainer's world does not match the worker group's, and ``ValueError`` when the trainer
-    saves no checkpoints (``save_strategy="no"``: nothing could be resumed after a failure).
-
     Example::
 
         trainer = prepare_trainer(LowZeroTrainer(model=model, args=args, train_dataset=ds))
         trainer.train(resume_from_checkpoint=resume_checkpoint())
+
+    Args:
+        trainer: Any ``transformers.Trainer``, built inside the training function.
+        upload: ``"async"`` (upload checkpoints in the background) or ``"sync"`` (training waits).
+        snapshot_every: Keep memory snapshots every this many steps, ``"auto"``, or None/``"off"`` for none.
+
+    Returns:
+        ``trainer`` itself, with its callbacks added.
+
+    Raises:
+        RuntimeError: Outside a Ray Train worker (call it inside the training function), or when the
+            trainer's world does not match the worker group's.
+        ValueError: The trainer saves no checkpoints (``save_strategy="no"``: nothing could be resumed
+            after a failure); ``snapshot_every`` is invalid, or set for a trainer without ZeRO; or the
+            trainer was already prepared with another ``upload`` or ``snapshot_every``.
     """
     world_size = _train_worker_world_size("prepare_trainer")
     if trainer.args.world_size != world_size:
@@ -123,6 +134,13 @@ def resume_checkpoint() -> str | None:
     Example::
 
         trainer.train(resume_from_checkpoint=resume_checkpoint())
+
+    Returns:
+        The path of the ``checkpoint-N`` folder, or None when there is nothing to resume.
+
+    Raises:
+        RuntimeError: Outside a Ray Train worker, or when the Ray checkpoint does not hold exactly one
+            Trainer ``checkpoint-N`` folder.
     """
     _train_worker_world_size("resume_checkpoint")
     checkpoint = ray.train.get_checkpoint()
@@ -145,6 +163,15 @@ def local_output_dir(prefix: str = "hf_lowzero_") -> str:
     Example::
 
         args = LowZeroTrainingArguments(output_dir=local_output_dir(), zero_stage=2, use_cpu=True)
+
+    Args:
+        prefix: The start of the folder's name.
+
+    Returns:
+        The folder's path.
+
+    Raises:
+        RuntimeError: Outside a Ray Train worker (call it inside the training function).
     """
     _train_worker_world_size("local_output_dir")
     path = [tempfile.mkdtemp(prefix=prefix)] if dist.get_rank() == 0 else [None]
@@ -160,6 +187,15 @@ def trainer_checkpoint_in(folder: str | os.PathLike) -> str:
 
         with result.checkpoint.as_directory() as folder:
             export_pretrained(trainer_checkpoint_in(folder), "out/final")
+
+    Args:
+        folder: The Ray checkpoint's local folder.
+
+    Returns:
+        The path of the ``checkpoint-N`` folder in it.
+
+    Raises:
+        RuntimeError: ``folder`` holds no ``checkpoint-N`` folder, or more than one.
     """
     found = sorted(Path(folder).glob("checkpoint-*"))
     if len(found) != 1:

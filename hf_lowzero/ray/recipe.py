@@ -57,6 +57,18 @@ def run_finetune(config: RayFinetuneConfig, **build_kwargs) -> ray.train.Result:
     Example::
 
         result = run_finetune(RayFinetuneConfig(max_steps=20, storage_path="/tmp/ray_results"))
+
+    Args:
+        config: The job's configuration.
+        **build_kwargs (Any): Passed on to :func:`build_trainer` (``run_config``, ``trainer_callbacks``).
+
+    Returns:
+        The result of the run: its last reported metrics, its latest checkpoint and rank 0's return value.
+
+    Raises:
+        ray.train.TrainingFailedError: Training failed for good: the worker group failed more often than
+            ``config.max_failures`` allows (an error raised by the training function is such a failure),
+            or Ray Train's controller met an error it cannot retry.
     """
     return build_trainer(config, **build_kwargs).fit()
 
@@ -73,6 +85,14 @@ def build_trainer(
 
         run_config = RunConfig(callbacks=[TuneReportCallback()], failure_config=FailureConfig(max_failures=1))
         result = build_trainer(RayFinetuneConfig(num_workers=(1, 4)), run_config, [MyCallback()]).fit()
+
+    Args:
+        config: The job's configuration.
+        run_config: The caller's ``RunConfig``, merged with the job's; None: the job's alone.
+        trainer_callbacks: Further ``TrainerCallback`` objects for the Trainer on every worker.
+
+    Returns:
+        The ``TorchTrainer``, not started: call ``fit()``.
     """
     job_run_config = RunConfig(
         name=config.name,
@@ -105,7 +125,14 @@ def _alive_nodes() -> list[dict[str, float]]:
 
 def with_snapshot_release(run_config: RunConfig) -> RunConfig:
     """``run_config`` with ``ReleaseSnapshots`` among its callbacks (once): the run's memory
-    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime])."""
+    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime]).
+
+    Args:
+        run_config: The run's configuration.
+
+    Returns:
+        A copy with ``ReleaseSnapshots`` added, or one equal to ``run_config`` when it has one already.
+    """
     callbacks = list(run_config.callbacks or [])
     if not any(isinstance(cb, ReleaseSnapshots) for cb in callbacks):
         callbacks.append(ReleaseSnapshots())
@@ -122,6 +149,13 @@ def merge_run_config(caller: RunConfig | None, defaults: RunConfig) -> RunConfig
         ...                           RunConfig(name="job", failure_config=FailureConfig(max_failures=3)))
         >>> merged.name, merged.failure_config.max_failures
         ('job', 1)
+
+    Args:
+        caller: The caller's ``RunConfig``, or None.
+        defaults: The job's own ``RunConfig``.
+
+    Returns:
+        ``defaults`` with the caller's fields put in, or ``defaults`` itself when ``caller`` is None.
     """
     if caller is None:
         return defaults
@@ -140,7 +174,20 @@ def train_loop_per_worker(
 ) -> dict[str, float]:
     """Runs on every Ray worker (process group already initialized by Ray Train), once per attempt.
     Returns the seconds training waited on checkpoint reports and their count (rank 0's become
-    ``Result.return_value``)."""
+    ``Result.return_value``).
+
+    Args:
+        config_dict: The job's ``RayFinetuneConfig`` as a dict (``dataclasses.asdict``).
+        trainer_callbacks: Further ``TrainerCallback`` objects to add to the Trainer.
+
+    Returns:
+        ``{"checkpoint_wait_s": ..., "checkpoints_reported": ...}`` of this worker.
+
+    Raises:
+        ValueError: ``config_dict`` is not a valid configuration, or ``zero_stage="auto"`` finds that
+            nothing fits on the workers' devices.
+        RuntimeError: Outside a Ray Train worker with its process group.
+    """
     config = RayFinetuneConfig(**config_dict)
     quiet_worker_console()
     output_dir = local_output_dir(prefix=f"hf_lowzero_{config.name}_")

@@ -66,7 +66,14 @@ class ReportShardedCheckpoints(TrainerCallback):
     attempt's) and ``rolled_back_to`` (the step this attempt resumed at after an integrity failure,
     0 if none: [Note: rollback] in ``integrity.py``). ``checkpoint_wait_s`` sums
     the seconds this attempt's training spent staging and in ``ray.train.report`` for its
-    checkpoints (``benchmarks/ray_report.py`` compares the upload modes)."""
+    checkpoints (``benchmarks/ray_report.py`` compares the upload modes).
+
+    Args:
+        upload: ``"async"`` (upload in the background) or ``"sync"`` (``ray.train.report`` waits for it).
+
+    Raises:
+        ValueError: ``upload`` is neither ``"async"`` nor ``"sync"``.
+    """
 
     def __init__(self, upload: str = "async") -> None:
         if upload not in UPLOAD_MODES:
@@ -80,6 +87,7 @@ class ReportShardedCheckpoints(TrainerCallback):
         self._optimizer = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """Record what every report of this attempt carries: where it resumed, its world size and global batch."""
         world = dist.get_world_size()
         resumed = last_resume()
         self._optimizer = kwargs.get("optimizer")
@@ -92,10 +100,12 @@ class ReportShardedCheckpoints(TrainerCallback):
         }
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Keep the numbers of the last log entry with a loss, for the next report."""
         if logs and "loss" in logs:
             self._last_logs = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
 
     def on_save(self, args, state, control, **kwargs):
+        """Once every rank wrote ``checkpoint-N``: stage this rank's files of it and report them to Ray."""
         start = time.perf_counter()
         dist.barrier()  # every rank's files of checkpoint-N are written (see the Note above)
         rank = dist.get_rank()
@@ -112,6 +122,7 @@ class ReportShardedCheckpoints(TrainerCallback):
         self.checkpoints_reported += 1
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Report the final metrics, with ``train_end=True`` and no checkpoint."""
         # Not "done": Tune stops a trial whose result says done=True, killing the TorchTrainer
         # before it shuts down (its autoscaler resource request then outlives it by minutes).
         ray.train.report({**self._metrics(state), "train_end": True})
@@ -126,7 +137,16 @@ class ReportShardedCheckpoints(TrainerCallback):
 
 def stage_owned_files(source: Path, target: Path, rank: int) -> list[Path]:
     """Hard-link (or copy) into ``target`` the files of ``source`` that ``rank`` reports; returns
-    their paths relative to ``source``. Over all ranks these sets partition ``source``'s files."""
+    their paths relative to ``source``. Over all ranks these sets partition ``source``'s files.
+
+    Args:
+        source: The Trainer's ``checkpoint-N`` folder.
+        target: The folder to stage into; created as needed.
+        rank: This rank.
+
+    Returns:
+        The staged files' paths, relative to ``source``.
+    """
     staged = []
     for path in source.rglob("*"):
         if not path.is_file() or owner_rank(path) != rank:

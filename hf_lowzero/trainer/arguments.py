@@ -72,7 +72,19 @@ class ZeroArguments:
         return "fp16" if self.fp16 else "bf16" if self.bf16 else None
 
     def to_zero_config(self, **overrides) -> ZeroConfig:
-        """The ZeroConfig these arguments describe (``zero_config`` JSON, then the ``zero_*`` flags)."""
+        """The ZeroConfig these arguments describe (``zero_config`` JSON, then the ``zero_*`` flags).
+
+        Args:
+            **overrides (Any): ``ZeroConfig`` fields that take precedence over both.
+
+        Returns:
+            The validated configuration; with ``zero_stage`` 0 or ``"auto"`` (not resolved yet) its stage is 2.
+
+        Raises:
+            ValueError: ``zero_config`` is not a JSON object (given, or in the file it names), or names
+                an unknown field, or a knob has an invalid value.
+            OSError: ``zero_config`` names a file that cannot be read.
+        """
         base = _load_json_config(self.zero_config)
         flags = {
             "reduce_bucket_mb": self.zero_reduce_bucket_mb,
@@ -97,6 +109,37 @@ class ZeroArguments:
 class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
     """``TrainingArguments`` with ``zero_stage`` (0 = plain Trainer/DDP, 1, 2) and ZeroConfig knobs
     (see ``ZeroArguments``). ``with_zero(TrainingArguments)`` is this class.
+
+    Takes every ``TrainingArguments`` argument, plus the ``zero_*`` ones; each ``zero_*`` knob left
+    None takes ``ZeroConfig``'s default (after ``zero_config``).
+
+    Args:
+        zero_stage: 0 (off: plain Trainer/DDP), 1 (shard optimizer state), 2 (also gradients) or
+            ``"auto"`` (the setup a memory plan of this run recommends: stage and optimizer offload); an
+            int or its digits.
+        zero_device_memory: With ``zero_stage="auto"``: plan for this much memory per device (e.g.
+            ``"40GiB"``), not the free memory.
+        zero_reduce_bucket_mb: MiB of gradient per reduction bucket (``ZeroConfig.reduce_bucket_mb``).
+        zero_overlap_communication: Overlap gradient reduction with backward
+            (``ZeroConfig.overlap_communication``).
+        zero_communication_dtype: The dtype of gradient reductions: ``"fp32"``, ``"bf16"`` or ``"fp16"``
+            (default: the params' dtype).
+        zero_offload_optimizer: Keep the fp32 master weights, optimizer state and gradient rows in host
+            memory (``ZeroConfig.offload_optimizer``).
+        zero_partition: How ranks own optimizer state: ``"rows"``, ``"params"`` or ``"auto"``
+            (``ZeroConfig.partition``).
+        zero_master_dtype: The dtype of the master rows between steps: ``"fp32"`` or ``"bf16"``
+            (``ZeroConfig.master_dtype``).
+        zero_verify_every: Integrity checks every this many steps, ``"auto"`` or ``"off"``
+            (``ZeroConfig.verify_every``).
+        zero_on_mismatch: A failed integrity check: ``"raise"`` or ``"rollback"`` (``ZeroConfig.on_mismatch``).
+        zero_config: Other ``ZeroConfig`` fields: a JSON object, or the path of a JSON file holding one.
+
+    Raises:
+        ValueError: ``zero_stage`` or ``zero_device_memory`` is invalid, or (with ZeRO on) a knob or
+            ``zero_config`` is: every one is validated at construction, not at the first step.
+            ``TrainingArguments``' own checks raise as they do there.
+        OSError: With ZeRO on, ``zero_config`` names a file that cannot be read.
     """
 
     zero_stage: str = field(
@@ -157,7 +200,17 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
 
 
 def parse_stage(value: object) -> int | str:
-    """``zero_stage`` as given (an int, or a flag's string): 0, 1, 2 or ``"auto"``."""
+    """``zero_stage`` as given (an int, or a flag's string): 0, 1, 2 or ``"auto"``.
+
+    Args:
+        value: The stage: an int, its digits, or ``"auto"`` (any case, surrounding blanks ignored).
+
+    Returns:
+        0, 1 or 2 as an int, or ``"auto"``.
+
+    Raises:
+        ValueError: ``value`` is none of those.
+    """
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if isinstance(value, str) and value.strip().isdigit():

@@ -63,7 +63,27 @@ logger = logging.getLogger(__name__)
 
 
 class LowZeroTrainer(Trainer):
-    """A ``Trainer`` that runs ZeRO stage 1/2 when ``args.zero_stage`` > 0 (see the module docstring)."""
+    """A ``Trainer`` that runs ZeRO stage 1/2 when ``args.zero_stage`` > 0 (see the module docstring).
+
+    With ``zero_stage="auto"`` the constructor first plans the run's memory for the given model and
+    writes the recommended stage and offload into ``args``; the plan is kept as ``memory_plan``.
+
+    Args:
+        *args (Any): ``Trainer``'s positional arguments (``model``, ``args``, ...).
+        **kwargs (Any): ``Trainer``'s keyword arguments. ``args`` must be ``LowZeroTrainingArguments``
+            (or a ``with_zero`` twin of another arguments class); None gives ``Trainer``'s defaults,
+            without ZeRO.
+
+    Raises:
+        TypeError: ``args`` lacks the ``zero_*`` fields (plain ``TrainingArguments`` or a TRL config);
+            with ZeRO on, the optimizer given in ``optimizers=`` is not a torch optimizer, or is already a
+            ``LowLevelZeroOptimizer``.
+        ValueError: With ZeRO on, a Trainer setting cannot work with it (``deepspeed``, ``fsdp``, several
+            GPUs in one process, a model sharded at load time, an optimizer or ``optim`` that cannot run on
+            the chosen partition, an optimizer that already took steps or does not hold exactly the
+            model's trainable params); with ``zero_stage="auto"``, no ``model`` was given or no setup fits
+            the device.
+    """
 
     args: LowZeroTrainingArguments
 
@@ -85,6 +105,7 @@ class LowZeroTrainer(Trainer):
 
     @property
     def zero_enabled(self) -> bool:
+        """Whether this trainer runs ZeRO: ``args.zero_stage`` is 1 or 2."""
         return getattr(self.args, "zero_stage", 0) > 0
 
     # ---------------------------------------------------------------------------- set-up
@@ -97,6 +118,9 @@ class LowZeroTrainer(Trainer):
         return args
 
     def create_accelerator_and_postprocess(self) -> None:
+        """``Trainer``'s accelerator; with ZeRO, its model preparation, ``backward`` and ``no_sync`` go
+        through the optimizer instead of DDP ([Note: no wrapper]).
+        """
         super().create_accelerator_and_postprocess()
         if self.zero_enabled:  # [Note: no wrapper]
             self.accelerator.prepare_model = functools.partial(
@@ -124,6 +148,24 @@ class LowZeroTrainer(Trainer):
         return contextlib.nullcontext()
 
     def create_optimizer(self, model=None):
+        """``Trainer``'s optimizer; with ZeRO, wrapped in a ``LowLevelZeroOptimizer``, once per model.
+
+        With ZeRO it starts a single-process group when there is none, casts the model to the 16-bit
+        dtype (``bf16``/``fp16``), and wraps the optimizer ``Trainer`` builds (or the one given in
+        ``optimizers=``). Called again for the same model, it returns the same optimizer with its
+        gradients dropped; for a new model (``model_init``) it builds a new one.
+
+        Args:
+            model (torch.nn.Module | None): Passed on to ``Trainer.create_optimizer``.
+
+        Returns:
+            (torch.optim.Optimizer): The optimizer, also set as ``self.optimizer`` (with ZeRO, the
+                ``LowLevelZeroOptimizer``, also ``self.zero_optimizer``).
+
+        Raises:
+            RuntimeError: With ZeRO, ``WORLD_SIZE`` > 1 but no process group was started, or
+                ``accelerate launch`` started one process where it was asked for several.
+        """
         if not self.zero_enabled:
             return super().create_optimizer(model)
         current = self.zero_optimizer
@@ -166,6 +208,13 @@ class LowZeroTrainer(Trainer):
         return grad_norm if grad_norm is not None else self.zero_optimizer.grad_norm()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log``; with ZeRO, a log entry with a loss also gets ``loss_scale``, ``skipped_steps``
+        and (with integrity checks on) ``integrity_checks``.
+
+        Args:
+            logs: The values to log; extended in place.
+            start_time: Passed on to ``Trainer.log``.
+        """
         if self.zero_enabled and self.zero_optimizer is not None and "loss" in logs:
             logs["loss_scale"] = self.zero_optimizer.loss_scale
             logs["skipped_steps"] = self.zero_optimizer.skipped_steps
@@ -252,7 +301,8 @@ def _ensure_process_group(device: torch.device) -> None:
     """A single process (one GPU, or CPU) with no launcher: a world of size 1, so ZeRO's fp32
     master rows and loss scaling work there too; NCCL when the Trainer trains on a GPU (``device``,
     its ``args.device``: ``use_cpu=True`` on a GPU machine trains on the CPU, with gloo). Launched
-    jobs already have their group."""
+    jobs already have their group.
+    """
     if dist.is_initialized():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -58,6 +58,15 @@ def with_zero(cls: T) -> T:
         ZeroSeq2SeqTrainer = with_zero(Seq2SeqTrainer)
         parser = HfArgumentParser(with_zero(Seq2SeqTrainingArguments))
         (args,) = parser.parse_args_into_dataclasses(["--output_dir", "out", "--zero_stage", "2"])
+
+    Args:
+        cls: A ``transformers.Trainer`` or ``TrainingArguments`` subclass (or one of those two).
+
+    Returns:
+        The twin class: made once per class, the same object on every later call.
+
+    Raises:
+        TypeError: ``cls`` is not a class, or neither a ``Trainer`` nor a ``TrainingArguments`` subclass.
     """
     if not isinstance(cls, type):
         raise TypeError(f"with_zero expects a Trainer or TrainingArguments subclass, got {cls!r}")
@@ -118,7 +127,8 @@ class _AcceptsAnyZeroArguments:
     """First in a trainer twin's MRO: arguments of another ZeRO class (``LowZeroTrainingArguments``
     given to ``with_zero(SFTTrainer)``) become the twin of the class the trainer expects, every value
     kept, the way TRL converts plain ``TrainingArguments``; TRL would otherwise rebuild them as its
-    own config and fail on the ``zero_*`` fields."""
+    own config and fail on the ``zero_*`` fields.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         given = given_arguments(type(self), args, kwargs)

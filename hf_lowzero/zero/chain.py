@@ -62,7 +62,15 @@ class _ChainState(MutableMapping):
 
 
 class ChainedOptimizer(torch.optim.Optimizer):
-    """Steps each of ``optimizers`` (over disjoint params) in turn; see the module docstring."""
+    """Steps each of ``optimizers`` (over disjoint params) in turn; see the module docstring.
+
+    Args:
+        *optimizers: The optimizers, in the order they step; each param in exactly one of them.
+
+    Raises:
+        TypeError: No optimizer was given, or one is not a ``torch.optim.Optimizer``.
+        ValueError: Two of the optimizers share a param.
+    """
 
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
@@ -85,6 +93,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizers' own group dicts, in chain order.
+
+        Setting it takes as many groups as the chain has and hands each optimizer its share, in order;
+        another number raises ``ValueError``.
+        """
         return [group for optimizer in self.optimizers for group in optimizer.param_groups]
 
     @param_groups.setter
@@ -97,26 +110,58 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> _ChainState:
+        """The optimizers' state as one mapping by param, reading and writing through to the optimizer holding it."""
         return self._state
 
     def optimizer_of(self, param: torch.Tensor) -> torch.optim.Optimizer:
-        """The chained optimizer whose groups hold ``param``."""
+        """The chained optimizer whose groups hold ``param``.
+
+        Args:
+            param: A param of one of the chained optimizers.
+
+        Returns:
+            That optimizer.
+
+        Raises:
+            KeyError: No chained optimizer holds ``param``.
+        """
         for optimizer in self.optimizers:
             if any(p is param for group in optimizer.param_groups for p in group["params"]):
                 return optimizer
         raise KeyError("the param is in none of the chained optimizers")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the chain has no groups of its own; add the group to one of the chained optimizers.
+
+        Args:
+            param_group: The group that would be added.
+
+        Raises:
+            RuntimeError: Always.
+        """
         raise RuntimeError("add a param group to one of the chained optimizers itself")
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Step each chained optimizer once, in order.
+
+        Args:
+            closure (Callable[[], float] | None): Must be None: closures are not supported.
+
+        Raises:
+            TypeError: A closure was given.
+        """
         if closure is not None:
             raise TypeError("ChainedOptimizer.step() does not support a closure")
         for optimizer in self.optimizers:
             optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients of every chained optimizer's params.
+
+        Args:
+            set_to_none: Set the gradients to None instead of zeroing them, as torch's ``zero_grad`` does.
+        """
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -131,7 +176,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return spans
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's format over the whole chain: params numbered across it, groups in order."""
+        """The state dict in torch's format over the whole chain: params numbered across it, groups in order.
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}``, as one optimizer over all the params would give it.
+        """
         state, groups = {}, []
         for optimizer, (_, _, first) in zip(self.optimizers, self._spans()):
             own = optimizer.state_dict()
@@ -140,6 +189,15 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of :meth:`state_dict`'s format, each optimizer its own groups and state.
+
+        Args:
+            state_dict: The state dict, of a chain of the same optimizers over the same params and groups.
+
+        Raises:
+            ValueError: The state dict has another number of param groups than the chain, or a chained
+                optimizer's ``load_state_dict`` refuses its share.
+        """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(groups)} param groups, the chain {len(self.param_groups)}")

@@ -30,7 +30,19 @@ _DTYPE_NAMES = {
 
 
 def parse_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
-    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (fp32, fp16, bf16 only)."""
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (fp32, fp16, bf16 only).
+
+    Args:
+        value: A dtype name (``"fp32"``, ``"float32"``, ``"fp16"``, ``"float16"``, ``"half"``, ``"bf16"``,
+            ``"bfloat16"``; any case, ``"torch."`` prefix allowed) or one of those torch dtypes.
+        field_name: The ``ZeroConfig`` field it is for, for the error message.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: ``value`` is not one of those.
+    """
     if isinstance(value, torch.dtype):
         if value in _DTYPE_NAMES.values():
             return value
@@ -46,6 +58,17 @@ def check_stage(value: object, field_name: str, allow_off: bool = False) -> int:
     """The one validation of a ZeRO stage: 1 or 2, or also 0 (off) where ``allow_off``.
 
     Used by ``ZeroConfig.stage``, the Trainer's ``zero_stage`` and the Ray job's ``--zero-stage``.
+
+    Args:
+        value: The stage.
+        field_name: The setting's name, for the error message.
+        allow_off: Whether 0 (no ZeRO) is allowed.
+
+    Returns:
+        The stage as an int.
+
+    Raises:
+        ValueError: ``value`` is not an allowed stage (a bool never is).
     """
     allowed = (0, 1, 2) if allow_off else (1, 2)
     if isinstance(value, bool) or value not in allowed:
@@ -64,7 +87,17 @@ AUTO_OVERHEAD = 0.01  # verify_every="auto" keeps the checks within this fractio
 
 
 def check_verify_every(value: object) -> int | str:
-    """``verify_every`` as given (an int, or a flag's string): an interval >= 1, "auto" or "off"."""
+    """``verify_every`` as given (an int, or a flag's string): an interval >= 1, "auto" or "off".
+
+    Args:
+        value: An int, its digits, ``"auto"`` or ``"off"`` (any case, surrounding blanks ignored).
+
+    Returns:
+        The interval as an int, or ``"auto"`` or ``"off"`` in lower case.
+
+    Raises:
+        ValueError: ``value`` is none of those.
+    """
     if isinstance(value, str) and value.strip().lower() in (VERIFY_OFF, VERIFY_AUTO):
         return value.strip().lower()
     if isinstance(value, str) and value.strip().isdigit():
@@ -79,7 +112,38 @@ def check_verify_every(value: object) -> int | str:
 
 @dataclass(kw_only=True)
 class ZeroConfig:
-    """Configuration of :class:`hf_lowzero.LowLevelZeroOptimizer` (see docs/architecture.md)."""
+    """Configuration of :class:`hf_lowzero.LowLevelZeroOptimizer` (see docs/architecture.md).
+
+    Every field is a keyword argument with a default; each field's own description below says more.
+
+    Args:
+        stage: 1 (shard optimizer state) or 2 (also shard gradients).
+        reduce_bucket_mb: MiB of gradient per reduction bucket (> 0).
+        overlap_communication: Reduce each bucket asynchronously during backward as soon as it is complete.
+        clip_grad_norm: Clip the global L2 norm of the averaged gradients to this value (>= 0); 0: no clipping.
+        communication_dtype: The dtype of gradient reductions (a name or torch dtype); None: each param's own.
+        process_group: The data-parallel process group; None: the default group.
+        offload_optimizer: Keep the master rows, optimizer state and gradient rows in host memory and step there.
+        pin_memory: With offload and CUDA params: page-lock the host buffers.
+        partition: ``"rows"``, ``"params"`` or ``"auto"``: how ranks own optimizer state.
+        allow_untested_optimizer: Vouch that an optimizer not on the element-wise allow-list is element-wise.
+        master_dtype: The master rows' dtype between steps: ``"fp32"`` or ``"bf16"`` (or the torch dtype).
+        master_rounding: bf16 masters: ``"stochastic"`` or ``"nearest"`` rounding of each step's result.
+        master_rounding_seed: bf16 masters with stochastic rounding: the noise's seed (>= 0).
+        initial_scale: fp16: the starting loss scale, within ``[min_scale, max_scale]``.
+        growth_factor: fp16: the scale's factor after ``growth_interval`` clean steps (> 1).
+        backoff_factor: fp16: the scale's factor on an overflow once hysteresis is used up (in (0, 1)).
+        growth_interval: fp16: consecutive clean steps before the scale grows (>= 1).
+        hysteresis: fp16: overflows tolerated before the first backoff (>= 1).
+        min_scale: fp16: the lowest scale (> 0); an overflow at this scale is an error.
+        max_scale: fp16: the highest scale.
+        max_consecutive_skips: Raise instead of skipping more than this many steps in a row (>= 1).
+        verify_every: Integrity checks every this many steps, ``"auto"`` or ``"off"``.
+        on_mismatch: A failed integrity check: ``"raise"`` or ``"rollback"``.
+
+    Raises:
+        ValueError: A field has an invalid value (the message names it and what is expected).
+    """
 
     stage: int = 2
     """1: shard optimizer state (gradients all-reduced, kept whole until ``step``).
@@ -250,10 +314,22 @@ class ZeroConfig:
 
     @property
     def reduce_bucket_bytes(self) -> int:
+        """``reduce_bucket_mb`` in bytes (at least 1)."""
         return max(1, int(self.reduce_bucket_mb * 2**20))
 
     def with_overrides(self, **overrides: Any) -> ZeroConfig:
-        """A validated copy with some fields replaced; unknown names raise ``TypeError``."""
+        """A validated copy with some fields replaced; unknown names raise ``TypeError``.
+
+        Args:
+            **overrides: Field names and their new values.
+
+        Returns:
+            The copy (``self`` is unchanged).
+
+        Raises:
+            TypeError: A name is not a ``ZeroConfig`` field.
+            ValueError: A new value is invalid.
+        """
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:

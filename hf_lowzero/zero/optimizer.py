@@ -67,7 +67,14 @@ logger = logging.getLogger(__name__)
 
 def hashed_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """What the replica check compares ([Note: integrity checks]): every parameter, trainable and
-    frozen (tied ones once), and every persistent buffer, by name."""
+    frozen (tied ones once), and every persistent buffer, by name.
+
+    Args:
+        model: The model.
+
+    Returns:
+        ``(name, tensor)`` pairs, by canonical (uncompiled) name.
+    """
     tensors = [(canonical_name(n), p) for n, p in model.named_parameters()]
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
@@ -78,7 +85,15 @@ def hashed_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def check_inner_optimizer(optimizer: object) -> None:
     """Raise a clear error unless ``optimizer`` is a fresh torch optimizer that is not itself a
-    ``LowLevelZeroOptimizer`` (see ``inner.check_fresh_optimizer``)."""
+    ``LowLevelZeroOptimizer`` (see ``inner.check_fresh_optimizer``).
+
+    Args:
+        optimizer: The optimizer to wrap.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is a ``LowLevelZeroOptimizer``.
+        ValueError: ``optimizer`` already has state from steps it took.
+    """
     if isinstance(optimizer, LowLevelZeroOptimizer):
         raise TypeError("the optimizer is already a LowLevelZeroOptimizer; pass its inner optimizer instead")
     check_fresh_optimizer(optimizer)
@@ -94,6 +109,20 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     Gradients live in the optimizer's buckets and rows, not in ``p.grad``: after a synchronized
     backward every managed ``p.grad`` is None. ``step()`` consumes and clears them.
+
+    Args:
+        model: The model whose trainable params ``optimizer`` holds; cast and move it before wrapping.
+        optimizer: A fresh torch optimizer (no steps taken) over exactly ``model``'s trainable params.
+        config: The configuration; None: ``ZeroConfig()``'s defaults.
+        **overrides (Any): ``ZeroConfig`` fields that replace ``config``'s, e.g. ``stage=1``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized (a world of size 1 works).
+        TypeError: ``optimizer`` is not a torch optimizer, or is a ``LowLevelZeroOptimizer`` itself; or an
+            override is not a ``ZeroConfig`` field.
+        ValueError: An override has an invalid value; ``optimizer`` has taken steps, or does not hold
+            exactly ``model``'s trainable params (all on one device, contiguous, floating point); or
+            ``partition="rows"`` with an optimizer that is not element-wise.
     """
 
     def __init__(
@@ -230,6 +259,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the bucket plan is fixed at construction.
+
+        Args:
+            param_group: The group that would be added.
+
+        Raises:
+            RuntimeError: Always; build the inner optimizer with every group before wrapping it.
+        """
         raise RuntimeError(
             "LowLevelZeroOptimizer cannot add param groups after construction (the bucket plan is "
             "static); build the inner optimizer with every group before wrapping it."
@@ -237,7 +274,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch's format, plus master rows, loss scaler and counters
-        (``shard_state.py``). Local and cheap: no communication, no copies."""
+        (``shard_state.py``). Local and cheap: no communication, no copies.
+
+        Returns:
+            The state dict; its tensors are the live ones, not copies.
+        """
         return shard_state_dict(self._shard)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -246,17 +287,27 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Validated before anything changes. Local: the model's params are not touched (restore
         them as with any torch optimizer, or call :meth:`copy_master_to_params`). Kernel choices
         (``fused``, ``foreach``, ``capturable``) stay this optimizer's own.
+
+        Args:
+            state_dict: A state dict from :meth:`state_dict` of the same rank and world size.
+
+        Raises:
+            ValueError: ``state_dict`` does not fit this optimizer (not a ``LowLevelZeroOptimizer`` state
+                dict, or of another rank or world size, partition, model, param groups or loss scaler);
+                nothing was changed.
         """
         load_shard_state(self._shard, state_dict)
 
     def train(self) -> None:
         """Schedule-free optimizers: switch the inner optimizer to its training point and write it
-        into the params (collective). A no-op for optimizers without modes; ``Trainer`` calls it."""
+        into the params (collective). A no-op for optimizers without modes; ``Trainer`` calls it.
+        """
         self._switch_mode("train")
 
     def eval(self) -> None:
         """Schedule-free optimizers: switch the inner optimizer to its evaluation point (the
-        averaged weights) and write it into the params (collective). A no-op without modes."""
+        averaged weights) and write it into the params (collective). A no-op without modes.
+        """
         self._switch_mode("eval")
 
     def _switch_mode(self, mode: str) -> None:
@@ -269,7 +320,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: ``p.grad`` of managed params, bucket contents and gradient rows;
-        also a backward that raised midway ([Note: failed backward])."""
+        also a backward that raised midway ([Note: failed backward]).
+
+        Args:
+            set_to_none: Accepted for torch's signature; gradients are always dropped (set to None).
+        """
         if holding_any(self._sync.params):  # after a step none does: skip the per-param loop
             for param in self._sync.params:
                 param.grad = None
@@ -283,14 +338,19 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def copy_master_to_params(self) -> None:
         """Write the master rows back into the model's params (all-gather, bucketed, in the
-        params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it."""
+        params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it.
+        """
         self.master.copy_to_params()
 
     def register_shard_reader(self, event) -> None:
         """An asynchronous copy of this rank's shard (master rows, optimizer state) completes with
         ``event`` (a CUDA event; None for a synchronous copy): every later write of the shard
         (a step, ``train()``/``eval()``, ``copy_params_to_master``, ``load_state_dict``) waits for
-        it first ([Note: one gate for the shard's writers] in ``write_gate.py``)."""
+        it first ([Note: one gate for the shard's writers] in ``write_gate.py``).
+
+        Args:
+            event (torch.cuda.Event | None): Completes when the copy is done; None: the copy is done already.
+        """
         self.master.gate.read_by(event)
 
     def copy_params_to_master(self) -> None:
@@ -319,6 +379,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         Synchronizes after autograd returns, also on a rank where no parameter got a gradient,
         so no peer waits forever.
+
+        Args:
+            loss: The loss of this micro-batch (a scalar).
+            **backward_kwargs (Any): Passed on to ``loss.backward`` (``retain_graph``, ...).
+
+        Raises:
+            RuntimeError: An earlier backward raised midway and ``zero_grad()`` was not called since, a
+                managed param changed dtype, device or storage since wrapping, or a bucket got a
+                gradient after it was reduced (reentrant activation checkpointing). Errors of autograd
+                itself propagate; call ``zero_grad()`` before the next backward then.
         """
         self._sync.check_finished("run backward")
         self._guard.check()
@@ -341,6 +411,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Stage 1: accumulate gradients locally in ``p.grad`` with no communication.
 
         The first backward outside the context reduces the accumulated total once.
+
+        Yields:
+            Nothing; backward passes inside only accumulate.
+
+        Raises:
+            RuntimeError: Under stage 2, which must reduce every backward.
         """
         if not self.reducer.allows_no_sync:
             raise RuntimeError(
@@ -367,6 +443,21 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Returns True when applied, False when skipped because some rank's gradients were not
         finite (every rank skips together). A skipped step changes no param, master row,
         optimizer state or step counter; its gradients are discarded either way.
+
+        Args:
+            closure (Callable[[], float] | None): Must be None: closures are not supported.
+
+        Returns:
+            Whether the update was applied.
+
+        Raises:
+            TypeError: A closure was given.
+            RuntimeError: An earlier backward raised midway and ``zero_grad()`` was not called since; a
+                managed param changed since wrapping, or ``param_groups`` changed shape; or too many steps
+                were skipped (``max_consecutive_skips`` in a row, or an overflow at the minimum fp16 loss
+                scale).
+            hf_lowzero.IntegrityError: On a verify step, a replica or reduction check failed (on every rank,
+                before anything was updated).
         """
         if closure is not None:
             raise TypeError("LowLevelZeroOptimizer.step() does not support a closure")
@@ -400,7 +491,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         slot; None leaves the masks as the last step set them: none on a fresh optimizer), sync
         hyperparameters, step the inner optimizer on the masters, write them back into the params.
         Nothing here reads tensor data on the host, so it also runs under ``FakeTensorMode`` (a
-        memory planner calls ``_update(None)``)."""
+        memory planner calls ``_update(None)``).
+        """
         if used is not None:
             self._unused_mask.apply(used)
         self._groups.sync()
@@ -415,6 +507,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         For callers that log the norm before ``step()`` (as ``transformers.Trainer`` does); the
         result is cached, so the following ``step()`` does not communicate it again.
+
+        Returns:
+            The norm (inf or nan when some rank's gradients are not finite).
+
+        Raises:
+            RuntimeError: An earlier backward raised midway and ``zero_grad()`` was not called since.
+            hf_lowzero.IntegrityError: On a verify step, a replica or reduction check failed (on every rank).
         """
         self._sync.check_finished("compute the gradient norm")
         self._norm_and_usage()  # sets last_grad_norm
@@ -453,7 +552,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return [slot.param for slot in self.slots]
 
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds right now, per part and per device, measured from the live tensors."""
+        """Bytes this rank holds right now, per part and per device, measured from the live tensors.
+
+        Returns:
+            The report.
+        """
         managed = {id(slot.param) for slot in self.slots}
         state = [v for entry in self.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
         host = [self.master.flat, *self.reducer.store.tensors(), *state]
