@@ -80,12 +80,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RunIdentity:
     """The fit a worker belongs to: Ray Train's run id (new for every ``fit()``, the same across its
-    restarts) and its controller actor's id."""
+    restarts) and its controller actor's id.
+    """
 
     run_id: str
     controller_id: str | None
 
     def holder_name(self, node_id: str) -> str:
+        """The name of this run's holder on node ``node_id``."""
         return f"{self.run_id}:{node_id}"
 
 
@@ -103,7 +105,8 @@ def current_run() -> RunIdentity:
 @ray.remote(num_cpus=0, max_concurrency=8)
 class SnapshotHolder:
     """A node's memory snapshots of one run: pieces by (step, rank), each a file in the node's
-    memory ([Note: snapshot folder] in ``hf_lowzero/snapshot/segments.py``), and the ranks' marks."""
+    memory ([Note: snapshot folder] in ``hf_lowzero/snapshot/segments.py``), and the ranks' marks.
+    """
 
     def __init__(
         self, node_id: str, controller_id: str | None, run_id: str = "", watch_interval_s: float = WATCH_INTERVAL_S
@@ -135,7 +138,8 @@ class SnapshotHolder:
         """A rank's one call per snapshot ([Note: one call per snapshot]): keep the piece the rank
         wrote into ``path`` on this node, send a copy to ``buddy_node``'s holder, then (``mark``)
         mark the step for the rank on the holders of ``nodes``. Returns what went wrong (or None)
-        and the CPU seconds this holder spent on it (what it may have taken from training)."""
+        and the CPU seconds this holder spent on it (what it may have taken from training).
+        """
         cpu = time.thread_time()
         error = self._land(manifest_json, path, buddy_node, nodes, verified, mark)
         return error, time.thread_time() - cpu
@@ -164,7 +168,8 @@ class SnapshotHolder:
 
     def put(self, manifest_json: str, payload: bytes | memoryview) -> str | None:
         """Keep a piece given as its bytes (another node's copy) after checking its structure;
-        returns what is wrong with it, or None when it landed."""
+        returns what is wrong with it, or None when it landed.
+        """
         manifest = json.loads(manifest_json)
         error = payload_error(manifest, payload, checksums=False)
         if error is not None:
@@ -176,7 +181,8 @@ class SnapshotHolder:
 
     def mark(self, step: int, rank: int, world_size: int, verified: bool | None = None) -> None:
         """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete
-        snapshot]); ``verified``: the step passed its integrity checks (None: the run checks none)."""
+        snapshot]); ``verified``: the step passed its integrity checks (None: the run checks none).
+        """
         self.mark_many(step, [rank], world_size, verified)
 
     def mark_many(self, step: int, ranks: list[int], world_size: int, verified: bool | None = None) -> None:
@@ -202,7 +208,8 @@ class SnapshotHolder:
     def index(self) -> dict[str, Any]:
         """What this holder knows: per step, the world size, the ranks that marked it, the ranks
         whose pieces it holds, and whether the step passed its integrity checks (None: not checked);
-        and the bytes it holds."""
+        and the bytes it holds.
+        """
         with self._lock:
             steps = set(self._marks) | {step for step, _ in self._pieces}
             return {
@@ -220,6 +227,7 @@ class SnapshotHolder:
             }
 
     def manifest(self, step: int, rank: int) -> dict[str, Any]:
+        """The manifest of rank ``rank``'s piece of ``step`` (KeyError when not held)."""
         with self._lock:
             return self._pieces[(step, rank)][0]
 
@@ -239,7 +247,8 @@ class SnapshotHolder:
 
     def _keep(self, manifest: dict[str, Any], path: str) -> bool:
         """Hold the piece in ``path`` (which this holder now owns); False when it is older than the
-        newest complete snapshot (its file is removed)."""
+        newest complete snapshot (its file is removed).
+        """
         key = (manifest["step"], manifest["rank"])
         with self._lock:
             if self._complete is not None and key[0] <= self._complete:
@@ -353,12 +362,15 @@ class ReleaseSnapshots(ControllerCallback):
     """
 
     def after_controller_start(self, train_run_context) -> None:
+        """Remember the run's id."""
         self.run_id = train_run_context.run_id
 
     def after_controller_finish(self, result) -> None:
+        """The run finished (successfully or failed for good): end its holders."""
         release_run(self.run_id)
 
     def before_controller_abort(self) -> None:
+        """The run is aborted (Ctrl-C, a Tune stop): end its holders."""
         release_run(self.run_id)
 
 

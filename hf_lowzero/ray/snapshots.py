@@ -57,7 +57,14 @@ class MemorySnapshots(TrainerCallback):
     [Note: auto interval] in ``snapshot_plan.py``). Needs a ZeRO trainer (``LowZeroTrainer`` or a
     ``with_zero`` twin with ``zero_stage`` 1 or 2), which calls ``after_log_save_evaluate`` at the
     [Note: snapshot point]. ``setup()`` must run on every rank of the worker group at once
-    (``prepare_trainer`` calls it)."""
+    (``prepare_trainer`` calls it).
+
+    Args:
+        every: A snapshot every this many steps, ``"auto"`` or ``"off"``.
+
+    Raises:
+        ValueError: ``every`` is not a number of steps >= 1, ``"auto"`` or ``"off"``.
+    """
 
     def __init__(self, every: int | str = "auto") -> None:
         self.schedule = SnapshotSchedule(every)
@@ -91,6 +98,7 @@ class MemorySnapshots(TrainerCallback):
 
     @property
     def one_node(self) -> bool:
+        """All workers share one node: snapshots protect against a lost process only."""
         return len(set(self.nodes)) < 2
 
     # ------------------------------------------------------------------- the step loop
@@ -118,6 +126,7 @@ class MemorySnapshots(TrainerCallback):
         self.schedule.start(state.global_step, int(args.save_steps) if saves else None)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        """Before the first step after a resume from memory: remove the node's restored folder."""
         if not self._resume_discarded:
             self._resume_discarded = True
             resumed = last_resume()
@@ -128,6 +137,7 @@ class MemorySnapshots(TrainerCallback):
                 discard(resumed)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Wait for snapshots on their way, then (rank 0) end the run's holders."""
         self.close()
         dist.barrier()  # no rank's snapshot is still on its way to a holder
         if self.rank == 0:
@@ -220,7 +230,8 @@ class MemorySnapshots(TrainerCallback):
         """Background thread: write the piece into this node's memory, then one call to this node's
         holder, which keeps it, copies it to the buddy node and marks it ([Note: one call per
         snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None: the
-        run does not check). Returns the CPU seconds the snapshot took here and in the holder."""
+        run does not check). Returns the CPU seconds the snapshot took here and in the holder.
+        """
         cpu = time.thread_time()
         step = staged.manifest["step"]
         path = piece_path(self._folder, step, self.rank)

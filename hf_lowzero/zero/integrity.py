@@ -64,8 +64,17 @@ SLACK = 1e-9  # float64 summation of the dots themselves, relative
 class IntegrityError(RuntimeError):
     """A check found training state that is not what exact data parallelism computes.
 
-    ``step``: the optimizer step (the Trainer's numbering); ``ranks``: the ranks named; ``names``:
-    the parameters; ``kind``: "replica", "reduction" or "repeated"."""
+    Raised on every rank together, before the step's update (``on_mismatch="raise"``), so that no
+    checkpoint or snapshot is written from that state.
+
+    Args:
+        message: What was found: per kind of mismatch, its first parameter in full and how many more.
+        step: The optimizer step (the Trainer's numbering).
+        ranks: The ranks named (with 2 ranks and no majority, both).
+        names: Every parameter that failed its check.
+        kind: "replica" (replicas differ), "reduction" (a reduction's checksum) or "repeated" (a
+            fault that repeats on one node, on Ray).
+    """
 
     def __init__(self, message: str, step: int, ranks: list[int], names: list[str], kind: str) -> None:
         super().__init__(message)
@@ -100,7 +109,8 @@ class _Record:
 
 class IntegrityChecker:
     """See the module docstring. ``names``: each bucket's param names (packing order); ``tensors``:
-    what the replica check hashes, ``(name, tensor)``: every param and persistent buffer."""
+    what the replica check hashes, ``(name, tensor)``: every param and persistent buffer.
+    """
 
     def __init__(
         self,
@@ -146,16 +156,19 @@ class IntegrityChecker:
 
     def request(self, step: int) -> None:
         """Verify ``step`` whatever the interval (memory snapshots ask for the steps they keep).
-        Every rank must request the same steps."""
+        Every rank must request the same steps.
+        """
         self._forced.add(step)
 
     @property
     def verifying(self) -> bool:
+        """This step is a verify step (checks on and due)."""
         return self._verifying
 
     def begin_step(self) -> None:
         """The step's first backward (or first bucket): decide, and hash the params as its
-        forward saw them. Idempotent within a step."""
+        forward saw them. Idempotent within a step.
+        """
         if self._began:
             return
         self._began = True
@@ -208,7 +221,8 @@ class IntegrityChecker:
     def _ends(self, bucket: Bucket, own: bool) -> torch.Tensor:
         """Where each segment (param piece) ends: over the packed bucket (per destination rank, per
         param) or over this rank's chunk. Made once per bucket on the device: no copy from the
-        host, so no wait for the device, on a verify step."""
+        host, so no wait for the device, on a verify step.
+        """
         key = (bucket.index, own)
         if key not in self._segment_ends:
             lengths = self._lengths(bucket)
@@ -221,7 +235,8 @@ class IntegrityChecker:
     def verify(self) -> Finding | None:
         """At the step, after every reduction: gather every rank's numbers and judge; raise
         ``IntegrityError`` (every rank at once) on a mismatch. None on a step that checks nothing.
-        Once per step (a second call returns the first's finding)."""
+        Once per step (a second call returns the first's finding).
+        """
         if not self._verifying or self._finding is not None:
             return self._finding
         start = time.perf_counter()
@@ -265,7 +280,8 @@ class IntegrityChecker:
 
     def end_step(self, skipped_nonfinite: bool) -> None:
         """After the step (applied or skipped). A skip that no check attributed makes the next
-        step a verify step, so a recurring non-finite gradient gets its rank and parameter named."""
+        step a verify step, so a recurring non-finite gradient gets its rank and parameter named.
+        """
         now = time.perf_counter()
         if self._step_started is not None:
             seconds = now - self._step_started - self._spent
@@ -278,7 +294,8 @@ class IntegrityChecker:
 
     def discard(self) -> None:
         """Forget this step's records (``zero_grad``: its gradients are gone); the step number
-        and the schedule stay."""
+        and the schedule stay.
+        """
         self._began = self._verifying = False
         self._hashes, self._records, self._pending, self._spent = None, [], {}, 0.0
         self._finding = None
@@ -369,7 +386,8 @@ class IntegrityChecker:
 
 def _summary(finding: Finding) -> list[str]:
     """One entry per kind of mismatch (a bucket and what explains it, or the ranks a replica
-    disagrees with): its first parameter in full, and how many more are alike (``.names`` has them all)."""
+    disagrees with): its first parameter in full, and how many more are alike (``.names`` has them all).
+    """
     first: dict[tuple, str] = {}
     count: dict[tuple, int] = {}
     for group, text in zip(finding.groups, finding.mismatches):
@@ -380,7 +398,8 @@ def _summary(finding: Finding) -> list[str]:
 
 def _hash(t: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of ``t``'s bit patterns (words, squared words; wrapping), on its device, by
-    windows (a 2 GiB embedding needs no 4 GiB of int64 scratch)."""
+    windows (a 2 GiB embedding needs no 4 GiB of int64 scratch).
+    """
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -403,7 +422,8 @@ WINDOW = 1 << 17  # elements processed at once: bounds the checks' scratch (~20 
 def _signs(positions: torch.Tensor, seed: int) -> torch.Tensor:
     """Random sign bits of packed ``positions`` (int64; bit p + 7: probe p's sign is +1), from
     ``seed``: a counter-based hash (splitmix64's finalizer) of the position, so any window of the
-    bucket gets the same bits on every rank without a generator or a bucket-sized buffer."""
+    bucket gets the same bits on every rank without a generator or a bucket-sized buffer.
+    """
     x = positions + seed * 0x9E3779B9
     x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: wraps, as splitmix64 does
     x = x ^ (x >> 30)
@@ -417,7 +437,8 @@ def _segment_sums(values: torch.Tensor, offset: int, ends: torch.Tensor, probes:
     """Per segment (``values`` split at the positions ``ends``; ``values`` sits at packed position
     ``offset``): the dot with each probe's signs, ``[segments, probes]`` float64, and with
     ``with_norms`` the L2 norms. By windows of WINDOW elements, so the scratch stays small; each
-    segment sums only its own elements (float64), so a small segment's error is its own."""
+    segment sums only its own elements (float64), so a small segment's error is its own.
+    """
     device = values.device
     acc = torch.zeros(ends.numel(), probes + 1, dtype=torch.float64, device=device)
     for a in range(0, values.numel(), WINDOW):

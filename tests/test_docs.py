@@ -1,0 +1,189 @@
+"""Every example in the README and the guides runs, and every console transcript that a test can
+produce still matches what the code prints (numbers, paths and names may vary): a block that no
+longer runs fails here. How each block is checked is its directive (``tests/docs_blocks.py``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hf_lowzero.testing import free_port
+from tests.docs_blocks import ROOT, Block, blocks, missing_lines
+from tests.docs_setups import SETUPS
+
+ALL = blocks()
+PYTHON = [b for b in ALL if b.lang == "python"]
+SHELL = [b for b in ALL if b.lang in ("bash", "sh", "shell", "console")]
+TRANSCRIPTS = [b for b in ALL if b.directive.startswith("transcript")]
+
+
+def _param(block: Block):
+    return pytest.param(block, id=block.id, marks=[pytest.mark.slow] if block.slow else [])
+
+
+def _run_block(rank: int, world_size: int, port: int, block: Block, work: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))  # fmt: skip
+    os.chdir(work)
+    torch.set_num_threads(1)
+    names: dict = {"__name__": "__docs__"}
+    for setup in block.setups:
+        names.update(SETUPS[setup](Path(work)))
+    exec(compile(block.code, block.id, "exec"), names)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as hf_lowzero.testing's ranks: gloo's threads may abort the interpreter's shutdown
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in PYTHON if not b.needs])
+def test_a_python_example_runs(block, tmp_path):
+    unknown = set(block.setups) - set(SETUPS)
+    assert not unknown, f"{block.id}: unknown setup {unknown}; known: {sorted(SETUPS)}"
+    mp.spawn(_run_block, args=(block.ranks, free_port(), block, str(tmp_path)), nprocs=block.ranks, join=True)
+
+
+def test_every_block_says_how_it_is_checked():
+    """A shell block runs in a test, names the test that runs it, or says what it needs; a
+    directive is one this harness knows."""
+    wrong = []
+    for b in ALL:
+        d = b.directive
+        if b in SHELL and not re.match(r"(run|covered|needs|transcript)\b", d):
+            wrong.append(f"{b.id}: a shell block needs <!-- test: run | covered tests/...::test_... | needs ... -->")
+        if d and not re.match(r"(run|covered|needs|transcript|setup=)", d):
+            wrong.append(f"{b.id}: unknown directive {d!r}")
+        m = re.match(r"covered (\S+?)(?:::(\w+))?$", d)
+        if m and m.group(2) and f"def {m.group(2)}(" not in (ROOT / m.group(1)).read_text():
+            wrong.append(f"{b.id}: {m.group(1)} has no test {m.group(2)}")
+        if m and not m.group(2) and not all(c in (ROOT / m.group(1)).read_text() for c in _commands(b)):
+            wrong.append(f"{b.id}: {m.group(1)} does not run {_commands(b)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _commands(block: Block) -> list[str]:
+    """The block's commands, its lines joined at ``\\``, comments and installs (``pip ... &&``) left out."""
+    text = re.sub(r"\\\n\s*", " ", block.code)
+    commands = []
+    for line in text.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if not line or line.startswith("#"):
+            continue
+        commands.append(re.sub(r"^pip install [^&]*&&\s*", "", line))
+    return commands
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in SHELL if b.directive.startswith("run")])
+def test_a_shell_example_runs(block, tmp_path):
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    for command in _commands(block):
+        done = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{block.id}: {command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------ transcripts
+
+
+def _transcripts(name: str) -> list[Block]:
+    found = [b for b in TRANSCRIPTS if b.directive.split()[1] == name]
+    assert found, f"no transcript named {name!r} in the docs"
+    return found
+
+
+def _assert_matches(name: str, output: str) -> None:
+    for b in _transcripts(name):
+        missing = missing_lines(b.code, output, joined="joined" in b.directive)
+        assert not missing, f"{b.id}: these lines are no longer printed:\n" + "\n".join(missing) + f"\n---\n{output}"
+
+
+def test_every_transcript_is_compared():
+    names = {b.directive.split()[1] for b in TRANSCRIPTS}
+    compared = {"integrity-alarm", "main-job", "failure-from-memory", "plan"}
+    assert names <= compared, f"transcripts no test compares: {names - compared}"
+
+
+def _alarm(rank: int, world_size: int, out: str) -> None:
+    from hf_lowzero import IntegrityError, LowLevelZeroOptimizer
+    from hf_lowzero.zero.faults import Fault, inject
+    from tests.hf_models import TokenDataset, tiny_gpt2
+
+    model = tiny_gpt2()
+    opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=2, verify_every=1)
+    batch = TokenDataset(n=4, length=16)[rank]
+    with inject(Fault("drop", rank=1, step=1, bucket=0)):
+        try:
+            opt.backward(model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss)
+            opt.step()
+        except IntegrityError as e:
+            Path(out, f"alarm_{rank}.txt").write_text(f"IntegrityError: {e}")
+
+
+def test_the_integrity_alarm_is_what_a_dropped_gradient_raises(tmp_path):
+    from hf_lowzero.testing import run_distributed
+
+    run_distributed(_alarm, 3, out=str(tmp_path))
+    _assert_matches("integrity-alarm", (tmp_path / "alarm_0.txt").read_text())
+
+
+def _job(*flags: str, storage: Path) -> str:
+    command = [sys.executable, "ray_jobs/finetune.py", "--storage-path", str(storage), *flags]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_the_main_jobs_console(tmp_path):
+    _assert_matches("main-job", _job(storage=tmp_path))
+
+
+@pytest.mark.slow
+def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(tmp_path):
+    """The main job with its defaults: a worker killed at step 15 resumes from the memory snapshot
+    that ``auto`` took, and ends with the loss of the run without a failure."""
+    clean = _job("--name", "clean", storage=tmp_path)
+    failed = _job("--name", "failed", "--inject-failure-at-step", "15", storage=tmp_path)
+    _assert_matches("failure-from-memory", failed)
+    assert "resumed from memory" in failed
+    final = [re.search(r"final loss\s+(\S+)", out).group(1) for out in (clean, failed)]
+    assert final[0] == final[1], final
+
+
+@pytest.mark.slow
+def test_the_plans_table(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config().save_pretrained(tmp_path)  # GPT-2 124M's config
+    (block,) = [b for b in SHELL if "hf_lowzero.plan" in b.code and b.file.endswith("plan.md")][:1]
+    (command,) = _commands(block)
+    command = command.replace("path/to/model_or_config.json", str(tmp_path / "config.json"))
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_matches("plan", done.stdout)
+
+
+def test_the_docstring_check_covers_every_public_module():
+    """.ci/run checks the docstrings (ruff's D rules) of the modules that define the public names."""
+    import inspect
+
+    import hf_lowzero
+    import hf_lowzero.ray
+
+    public = {"hf_lowzero/__init__.py", "hf_lowzero/ray/__init__.py"}
+    for module in (hf_lowzero, hf_lowzero.ray):
+        for name in module.__all__:
+            public.add(str(Path(inspect.getsourcefile(getattr(module, name))).relative_to(ROOT)))
+    run = (ROOT / ".ci/run").read_text()
+    checked = set(re.findall(r"^\s+(hf_lowzero/\S+\.py)", run.split("--select D", 1)[1].split("mkdocs", 1)[0], re.M))
+    assert public <= checked, f"add to .ci/run's docstring check: {sorted(public - checked)}"
