@@ -142,20 +142,25 @@ def _job(*flags: str, storage: Path) -> str:
     return done.stdout + done.stderr
 
 
-@pytest.mark.slow
-def test_the_main_jobs_console(tmp_path):
-    _assert_matches("main-job", _job(storage=tmp_path))
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> str:
+    """The console of ``python ray_jobs/finetune.py``, as a newcomer runs it."""
+    return _job("--name", "clean", storage=tmp_path_factory.mktemp("main_job"))
 
 
 @pytest.mark.slow
-def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(tmp_path):
+def test_the_main_jobs_console(main_job):
+    _assert_matches("main-job", main_job)
+
+
+@pytest.mark.slow
+def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(main_job, tmp_path):
     """The main job with its defaults: a worker killed at step 15 resumes from the memory snapshot
     that ``auto`` took, and ends with the loss of the run without a failure."""
-    clean = _job("--name", "clean", storage=tmp_path)
     failed = _job("--name", "failed", "--inject-failure-at-step", "15", storage=tmp_path)
     _assert_matches("failure-from-memory", failed)
     assert "resumed from memory" in failed
-    final = [re.search(r"final loss\s+(\S+)", out).group(1) for out in (clean, failed)]
+    final = [re.search(r"final loss\s+(\S+)", out).group(1) for out in (main_job, failed)]
     assert final[0] == final[1], final
 
 
