@@ -446,6 +446,13 @@ def _segment_sums(values: torch.Tensor, offset: int, ends: torch.Tensor, probes:
         wide = values[a:b].to(torch.float64)
         positions = torch.arange(a, b, dtype=torch.int64, device=device)
         bits = _signs(positions + offset, seed)
+        first, last = torch.searchsorted(ends, positions[[0, -1]], right=True).tolist()
+        if first == last:  # the window lies in one segment (most of a large param): plain dot products
+            for p in range(probes):
+                signs = ((bits >> (p + 7)) & 1).to(torch.float64).mul_(2).sub_(1)
+                acc[first, p] += torch.dot(wide, signs)
+            acc[first, probes] += torch.dot(wide, wide)
+            continue
         columns = [torch.where((bits >> (p + 7)) & 1 == 1, wide, -wide) for p in range(probes)] + [wide * wide]
         acc.index_add_(0, torch.searchsorted(ends, positions, right=True), torch.stack(columns, dim=1))
     return acc[:, :probes], (acc[:, probes].clamp(min=0).sqrt() if with_norms else None)
