@@ -44,7 +44,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# HF_LOWZERO_BENCH_ROOT: a checkout of another commit whose hf_lowzero this process and its Ray
+# workers import (Ray puts the driver's sys.path in front of the workers', so the driver decides).
+sys.path.insert(0, os.environ.get("HF_LOWZERO_BENCH_ROOT") or str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -145,6 +147,27 @@ def use_code(cluster, root: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
 
 
+def fit_with_code(root: str, today: str, address: str, fields: dict, log: Path) -> None:
+    """One overhead run whose driver and workers import hf_lowzero from ``root``: in this process
+    for today's code, else in a new driver process of its own (``--one-run``)."""
+    if root == today:
+        result = fit(RayFinetuneConfig(**fields), [StepClock(log)])
+        if result.error:
+            raise RuntimeError(f"{fields['name']} failed: {result.error}")
+        return
+    env = dict(os.environ, HF_LOWZERO_BENCH_ROOT=root, PYTHONPATH=root)
+    job = json.dumps({"address": address, "root": root, "fields": fields, "log": str(log)})
+    subprocess.run([sys.executable, __file__, "--one-run", job], env=env, check=True, cwd=root)
+
+
+def one_run(job: dict) -> None:
+    """``--one-run``: connect to the benchmark's cluster and make one run with this process's code."""
+    ray.init(address=job["address"], log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": job["root"]}})
+    result = fit(RayFinetuneConfig(**job["fields"]), [StepClock(Path(job["log"]))])
+    if result.error:
+        raise RuntimeError(f"{job['fields']['name']} failed: {result.error}")
+
+
 def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, work: Path) -> tuple[list[dict], dict]:
     """For each model (its settings and config fields) and each code (name: source root), the
     overhead of each setting against the same round's run without snapshots."""
@@ -153,15 +176,16 @@ def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, wo
         for model, spec in models.items():
             for setting in spec["settings"]:
                 for code, root in codes.items():
-                    use_code(cluster, root)
                     log = work / f"overhead_{r}_{model}_{code}_{setting}.jsonl"
                     every = None if setting == "off" else setting
-                    config = RayFinetuneConfig(**spec["config"], name=f"overhead_{r}_{model}_{code}_{setting}",
-                                               snapshot_every=every, max_steps=a.overhead_steps,
-                                               save_steps=a.overhead_steps)  # fmt: skip
-                    result = fit(config, [StepClock(log)])
-                    if result.error:
-                        raise RuntimeError(f"{config.name} failed: {result.error}")
+                    fields = dict(
+                        spec["config"],
+                        name=f"overhead_{r}_{model}_{code}_{setting}".replace(" ", "_"),
+                        snapshot_every=every,
+                        max_steps=a.overhead_steps,
+                        save_steps=a.overhead_steps,
+                    )
+                    fit_with_code(root, codes["today"], cluster.address, fields, log)
                     records = read_log(log)
                     end = next((x for x in records if x["event"] == "train_end"), {})
                     runs.append({"round": r, "model": model, "code": code, "setting": str(setting),
@@ -232,8 +256,16 @@ def main(argv=None) -> None:
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--before", default=None, help="also measure the overhead with the code of this git commit")
+    p.add_argument("--settings", default="off,1,2,5,10,auto", help="snapshot_every values of the GPT-2 runs")
+    p.add_argument("--no-failures", action="store_true", help="only the overhead runs")
+    p.add_argument("--one-run", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.one_run:
+        return one_run(json.loads(a.one_run))
 
+    settings = [s if s in ("off", "auto") else int(s) for s in a.settings.split(",")]
+    if settings[0] != "off":
+        p.error("--settings must start with off (the baseline)")
     work = Path(tempfile.mkdtemp(prefix="hf_lowzero_recovery_"))
     model = gpt2(a.n_layer, a.n_embd, vocab=a.vocab, dropout=0.0)
     params = sum(t.numel() for t in model.parameters())
@@ -252,14 +284,14 @@ def main(argv=None) -> None:
                 num_to_keep=1, max_failures=1)  # fmt: skip
     common = dict(base, per_device_train_batch_size=4, model_name_or_path=str(work / "model"))
     models = {
-        f"gpt2 {a.n_layer}x{a.n_embd}": {"settings": SETTINGS, "config": common},
+        f"gpt2 {a.n_layer}x{a.n_embd}": {"settings": settings, "config": common},
         "main job": {"settings": MAIN_JOB_SETTINGS, "config": base},  # ray_jobs/finetune.py's model and batch
     }
     try:
-        overhead, raw = overhead_rows(a, models, codes, cluster, work)
         use_code(cluster, root)
-        failures = [failure_row(k, common, work, cluster) for k in
-                    ("process kill from memory", "node kill from buddies", "storage only")]  # fmt: skip
+        overhead, raw = overhead_rows(a, models, codes, cluster, work)
+        kinds = () if a.no_failures else ("process kill from memory", "node kill from buddies", "storage only")
+        failures = [failure_row(k, common, work, cluster) for k in kinds]
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -272,7 +304,8 @@ def main(argv=None) -> None:
     shard_mib = 12 * params / 2 / 2**20
     header = (
         "# Memory snapshots: overhead while training, and recovery after a failure\n\n"
-        f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps}"
+        f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps} "
+        f"--settings {a.settings}"
         f"{' --before ' + a.before if a.before else ''}`. Local "
         f"multi-node Ray cluster on a 2-core CPU machine (one worker per node), 2 workers, ZeRO-2, AdamW, "
         f"GPT-2 {a.n_layer}x{a.n_embd}, vocab {a.vocab} ({params / 1e6:.1f}M params; a rank's shard of fp32 "
@@ -288,7 +321,7 @@ def main(argv=None) -> None:
         "machine's 2 cores, which both train. ms_per_snapshot: at `snapshot_every=1`, the step time minus "
         "the step time without snapshots: what one snapshot costs training.\n"
     )
-    failure_table = markdown_table(failures, list(failures[0]))
+    failure_table = markdown_table(failures, list(failures[0])) if failures else "(not measured: --no-failures)\n"
     footer = (
         f"\n## A failure after step {FAIL_AT}, storage checkpoints every {SAVE_STEPS} steps\n\n{failure_table}"
         "\nfailure_to_first_new_step_s: from the kill to the end of the first step of the restarted group "

@@ -168,10 +168,10 @@ def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(main_job, tmp
 def test_the_plans_table(tmp_path):
     from transformers import GPT2Config
 
-    GPT2Config().save_pretrained(tmp_path)  # GPT-2 124M's config
+    GPT2Config().save_pretrained(tmp_path / "gpt2-124m")  # GPT-2 124M's config, named as the guide's
     (block,) = [b for b in SHELL if "hf_lowzero.plan" in b.code and b.file.endswith("plan.md")][:1]
     (command,) = _commands(block)
-    command = command.replace("path/to/model_or_config.json", str(tmp_path / "config.json"))
+    command = command.replace("path/to/model_or_config.json", str(tmp_path / "gpt2-124m" / "config.json"))
     done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
