@@ -122,7 +122,7 @@ class RayFinetuneConfig:
     collective_timeout_s: int = _opt(
         600,
         "seconds a collective may wait before the process group gives up (NCCL: the rank aborts with an error); "
-        "a lost worker or node is noticed sooner, by Ray (see the README's failure section)",
+        "a lost worker or node is noticed sooner, by Ray (see docs/ray.md)",
     )
     zero_stage: int | str = _opt(
         2,

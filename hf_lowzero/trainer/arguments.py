@@ -177,7 +177,7 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         default=None,
         metadata={
             "help": "dtype of the master rows between steps: fp32 (default) or bf16 (2 bytes per owned param fewer; "
-            "the step computes in fp32 and rounds back stochastically: see the README's 'bf16 master rows')"
+            "the step computes in fp32 and rounds back stochastically: see docs/mixed-precision.md)"
         },
     )
     zero_verify_every: str | None = field(
