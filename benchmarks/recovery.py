@@ -258,6 +258,7 @@ def main(argv=None) -> None:
     p.add_argument("--before", default=None, help="also measure the overhead with the code of this git commit")
     p.add_argument("--settings", default="off,1,2,5,10,auto", help="snapshot_every values of the GPT-2 runs")
     p.add_argument("--no-failures", action="store_true", help="only the overhead runs")
+    p.add_argument("--out", default="recovery", help="results/OUT.{md,json,png}")
     p.add_argument("--one-run", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one_run:
@@ -332,9 +333,9 @@ def main(argv=None) -> None:
     columns = ["model", "code", "snapshot_every", "overhead_pct", "min_pct", "max_pct", "ms_per_step",
                "ms_per_snapshot", "snapshots", "stopped_ms_per_snapshot"]  # fmt: skip
     data = {"overhead": overhead, "failures": failures, **raw}
-    print(write_results("recovery", overhead, columns, header, footer, data=data))
+    print(write_results(a.out, overhead, columns, header, footer, data=data))
     bar_plot(
-        RESULTS / "recovery.png",
+        RESULTS / f"{a.out}.png",
         [f"{r['model']}, {r['code']}: every {r['snapshot_every']}" for r in overhead],
         [r["overhead_pct"] for r in overhead],
         spans=[(r["min_pct"], r["max_pct"]) for r in overhead],

@@ -21,9 +21,10 @@ Example::
 # decides the interval, counted from the probe. A cost is measured as training feels it: the time
 # the step loop was stopped for the copy, plus how much longer than that median the steps ran
 # while the snapshot was written and sent in the background (on a machine whose cores all train,
-# the background work slows them; on a GPU node it mostly does not), but no more than the CPU time
-# the background work took (the writer thread's and the holder's): on a noisy machine a slow step
-# during a snapshot is not all the snapshot's doing. The interval is
+# the background work slows them; on a GPU node it mostly does not), but no more than the time the
+# background work ran (the writer thread, the holders, the copy to the buddy node: one chain, each
+# part waiting for the one before): on a noisy machine a slow step during a snapshot is not all
+# the snapshot's doing. The interval is
 # ceil(cost / (2% of a step)), at least 1, re-decided at every later snapshot from the median cost
 # of the last 20 (one slow snapshot does not stretch the interval); ranks take the largest rank's
 # choice, so that every rank snapshots the same steps. One more bound: a snapshot older than the
@@ -131,18 +132,19 @@ class SnapshotSchedule:
         """The median step time without snapshot work, or None before any."""
         return statistics.median(self._quiet_steps[-50:]) if self._quiet_steps else None
 
-    def observe_snapshot(self, stopped_s: float, busy_step_s: list[float], background_cpu_s: float | None = None):
+    def observe_snapshot(self, stopped_s: float, busy_step_s: list[float], background_s: float | None = None):
         """A finished snapshot: seconds the loop stopped for it, the times of the steps that ran
-        while it was in the background, and the CPU seconds its background work took (the writer
-        thread and the holder): the steps' excess counts up to that, no more (a noisy step is not a cost)."""
+        while it was in the background, and how long its background work ran (the writer thread, the
+        holders, the copy to the buddy node): the steps' excess counts up to that, no more (a noisy
+        step is not a cost)."""
         if self._uncounted:
             self._uncounted -= 1
             return
         base = self.step_s or 0.0
         # Signed: clipping each step's excess at zero would count step-time noise as cost.
         excess = max(0.0, sum(s - base for s in busy_step_s))
-        if background_cpu_s is not None:
-            excess = min(excess, background_cpu_s)
+        if background_s is not None:
+            excess = min(excess, background_s)
         self._costs.append(stopped_s + excess)
 
     @property

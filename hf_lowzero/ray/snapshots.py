@@ -230,21 +230,21 @@ class MemorySnapshots(TrainerCallback):
         """Background thread: write the piece into this node's memory, then one call to this node's
         holder, which keeps it, copies it to the buddy node and marks it ([Note: one call per
         snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None: the
-        run does not check). Returns the CPU seconds the snapshot took here and in the holder.
+        run does not check). Returns how long that took: the background work's whole chain (this
+        thread, the holder, the copy to the buddy node and its holder, the marks) ran within it.
         """
-        cpu = time.thread_time()
+        start = time.perf_counter()
         step = staged.manifest["step"]
         path = piece_path(self._folder, step, self.rank)
         manifest = staged.write(path, **fields)
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
         call = self._own.land.remote(json.dumps(manifest), str(path), self._buddy_node, self.nodes, verified, not torn)
-        cpu = time.thread_time() - cpu
-        error, holder_cpu = ray.get(call)
+        error, _ = ray.get(call)
         if error is not None:
             raise SnapshotError(f"the piece of rank {self.rank} did not land: {error}")
         if torn:
             self.fault[1]()
-        return cpu + holder_cpu
+        return time.perf_counter() - start
 
     def _announce(self, staged: Staged) -> None:
         """Rank 0's console line: the interval and what snapshots cost in memory per node."""
