@@ -8,8 +8,8 @@ Example::
     >>> buddy_nodes(["a", "a"])                 # one node: no buddy, process loss only
     [None, None]
     >>> schedule = SnapshotSchedule("auto")
-    >>> [schedule.due(step) for step in range(1, 5)]   # warm-up steps measure the step time
-    [False, False, False, True]
+    >>> [schedule.due(step) for step in range(1, 7)]   # warm-up steps measure the step time
+    [False, False, False, False, False, True]
 
 # [Note: auto interval]
 # ``snapshot_every="auto"`` measures what a snapshot costs on this run and picks the interval that
@@ -31,7 +31,9 @@ Example::
 # newest storage checkpoint is never used, so auto takes one at least every half of the Trainer's
 # ``save_steps`` (a failure loses at most half the steps between two storage checkpoints), even
 # when that costs more than 2%: on a tiny model whose steps take a few ms, as in the main job
-# (storage every 10 steps, snapshots at steps 4 and 6 and then every 5 or fewer).
+# (storage every 10 steps, snapshots at steps 6 and 8 and then every 5 or fewer). Five warm-up
+# steps, not fewer: the median of three early steps, slowed by a cluster still starting, made a
+# 30 MiB snapshot look cheap and auto take one every 2 steps.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import statistics
 AUTO = "auto"
 OFF = ("off", "none")
 AUTO_OVERHEAD = 0.02
-WARMUP = 3
+WARMUP = 5
 PROBE_GAP = 2
 MAX_INTERVAL = 10_000
 
