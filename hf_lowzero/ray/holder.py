@@ -134,17 +134,11 @@ class SnapshotHolder:
         nodes: list[str],
         verified: bool | None = None,
         mark: bool = True,
-    ) -> tuple[str | None, float]:
+    ) -> str | None:
         """A rank's one call per snapshot ([Note: one call per snapshot]): keep the piece the rank
         wrote into ``path`` on this node, send a copy to ``buddy_node``'s holder, then (``mark``)
-        mark the step for the rank on the holders of ``nodes``. Returns what went wrong (or None)
-        and the CPU seconds this holder spent on it (what it may have taken from training).
+        mark the step for the rank on the holders of ``nodes``. Returns what went wrong, or None.
         """
-        cpu = time.thread_time()
-        error = self._land(manifest_json, path, buddy_node, nodes, verified, mark)
-        return error, time.thread_time() - cpu
-
-    def _land(self, manifest_json, path, buddy_node, nodes, verified, mark) -> str | None:
         manifest = json.loads(manifest_json)
         error = piece_file_error(manifest, path)
         if error is None and self._keep(manifest, path) and buddy_node is not None:

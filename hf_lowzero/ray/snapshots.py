@@ -190,11 +190,8 @@ class MemorySnapshots(TrainerCallback):
         future = self._executor.submit(self._send, staged, fields, verified)
         interval = self._agree(self.schedule.proposed_interval())
         changed = self.schedule.settled and interval != self.schedule.interval
-        if changed and self.schedule.auto and self.rank == 0 and self.schedule.cost_s:
-            logger.info(
-                "[hf_lowzero] memory snapshots every %d steps from step %d: one costs %.1f ms of %.1f ms steps",
-                interval, step, 1e3 * self.schedule.cost_s, 1e3 * self.schedule.step_s,
-            )  # fmt: skip
+        if changed and self.schedule.auto and self.schedule.cost_s:
+            self._say_interval(interval, step)
         self.schedule.taken(step, interval)
         stopped = time.perf_counter() - start
         self.stopped_s += stopped
@@ -211,10 +208,15 @@ class MemorySnapshots(TrainerCallback):
         interval = self._agree(self.schedule.proposed_interval())
         self.schedule.decided(interval)
         self.stopped_s += time.perf_counter() - start
-        if self.rank == 0 and self.schedule.cost_s is not None:
+        if self.schedule.cost_s is not None:
+            self._say_interval(interval, self.schedule.probe_step + interval)
+
+    def _say_interval(self, interval: int, from_step: int) -> None:
+        """Rank 0's console line for auto's interval and the cost it was measured from."""
+        if self.rank == 0:
             logger.info(
                 "[hf_lowzero] memory snapshots every %d steps from step %d: one costs %.1f ms of %.1f ms steps",
-                interval, self.schedule.probe_step + interval, 1e3 * self.schedule.cost_s, 1e3 * self.schedule.step_s,
+                interval, from_step, 1e3 * self.schedule.cost_s, 1e3 * self.schedule.step_s,
             )  # fmt: skip
 
     def _agree(self, interval: int) -> int:
@@ -239,7 +241,7 @@ class MemorySnapshots(TrainerCallback):
         manifest = staged.write(path, **fields)
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
         call = self._own.land.remote(json.dumps(manifest), str(path), self._buddy_node, self.nodes, verified, not torn)
-        error, _ = ray.get(call)
+        error = ray.get(call)
         if error is not None:
             raise SnapshotError(f"the piece of rank {self.rank} did not land: {error}")
         if torn:
