@@ -90,19 +90,35 @@ def shape(line: str) -> str:
     return re.sub(r"\s+", " ", line).strip()
 
 
+SOURCE = re.compile(r"^\s*(?:\x1b\[[0-9;]*m)?\((?:(\w+) )?pid=\d+[^)]*\)")
+
+
+def source(line: str) -> str:
+    """Which process printed a console line: the actor Ray names in its prefix
+    (``(RayTrainWorker pid=7) ...``), ``"pid"`` for an unnamed Ray process, ``""`` for the driver."""
+    m = SOURCE.match(line)
+    return "" if m is None else (m.group(1) or "pid")
+
+
 def missing_lines(transcript: str, output: str, joined: bool = False) -> list[str]:
     """The transcript's lines (other than ``...``) whose shape is not in ``output``, in order;
-    ``joined``: the transcript is one message wrapped over several lines."""
+    ``joined``: the transcript is one message wrapped over several lines.
+
+    Order is kept within each process's lines only: Ray streams workers' lines to the driver's
+    stderr asynchronously, so they may come after the driver's own summary on stdout.
+    """
     if joined:
         return [] if shape(" ".join(transcript.split())) in shape(" ".join(output.split())) else [transcript]
-    have = [shape(line) for line in output.splitlines()]
-    missing, at = [], 0
+    have: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        have.setdefault(source(line), []).append(shape(line))
+    missing, at = [], {}
     for line in transcript.splitlines():
         if not line.strip() or line.strip() == "..." or line.startswith("$ "):
             continue
-        want = shape(line)
+        key, want = source(line), shape(line)
         try:
-            at = have.index(want, at) + 1
+            at[key] = have.get(key, []).index(want, at.get(key, 0)) + 1
         except ValueError:
             missing.append(line)
     return missing

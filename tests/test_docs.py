@@ -111,6 +111,24 @@ def test_every_transcript_is_compared():
     assert names <= compared, f"transcripts no test compares: {names - compared}"
 
 
+def test_a_transcript_keeps_order_within_each_process_only():
+    # Ray streams the workers' lines to the driver's stderr on its own schedule: the driver's
+    # summary (stdout) may come first. Order still counts within one process, and a changed line
+    # is still caught.
+    w = "(RayTrainWorker pid=1) "
+    transcript = f"{w}attempt 1: 4 steps\n...\n{w}step  4/4 | loss 2.8\n\nfinal loss 2.8\n"
+    output = "final loss 3.0\n\x1b[36m(RayTrainWorker pid=77)\x1b[0m attempt 1: 4 steps\n"
+    output += "(RayTrainWorker pid=77) step  4/4 | loss 2.9\n"
+    assert missing_lines(transcript, output) == []
+    reordered = (
+        "final loss 3.0\n(RayTrainWorker pid=7) step  4/4 | loss 2.9\n(RayTrainWorker pid=7) attempt 1: 4 steps\n"
+    )
+    assert missing_lines(transcript, reordered) == [f"{w}step  4/4 | loss 2.8"]
+    assert missing_lines(transcript, output.replace("final loss", "last loss")) == ["final loss 2.8"]
+    other_actor = output.replace("(RayTrainWorker", "(TrainController")
+    assert missing_lines(transcript, other_actor) == [f"{w}attempt 1: 4 steps", f"{w}step  4/4 | loss 2.8"]
+
+
 def _alarm(rank: int, world_size: int, out: str) -> None:
     from hf_lowzero import IntegrityError, LowLevelZeroOptimizer
     from hf_lowzero.zero.faults import Fault, inject
