@@ -29,6 +29,7 @@ from hf_lowzero.consolidate import main as consolidate_cli
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.comm import all_gather_object
 from tests.models import BranchyNet, assert_params_equal, ddp_reference, make_inner
+from tests.tiers import slow
 
 GLOBAL_BATCH = 12  # divisible by every world size we use, so each step sees the same global batch
 # stage, params' dtype, inner optimizer, partition saved with, partition loaded into
@@ -123,7 +124,7 @@ def load_then_continue(rank, world_size, tmp):
             torch.testing.assert_close(p, final[name], rtol=tol, atol=tol, msg=lambda m, n=name, t=tag: f"{t} {n}: {m}")
 
 
-@pytest.mark.parametrize("saved_ws,loaded_ws", [(2, 3), (3, 2), (2, 1), (1, 4)])
+@pytest.mark.parametrize("saved_ws,loaded_ws", [slow((2, 3)), (3, 2), (2, 1), slow((1, 4))])
 def test_resume_at_another_world_size_continues_like_the_uninterrupted_run(tmp_path, saved_ws, loaded_ws):
     run_distributed(save_then_continue, saved_ws, tmp=str(tmp_path))
     if saved_ws == 2:  # one checkpoint per rank plus metadata and the unsharded extras, nothing pickled

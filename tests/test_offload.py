@@ -16,6 +16,7 @@ from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.grad_store import HostGradStore
 from tests.models import BranchyNet, batch, make_inner
+from tests.tiers import slow
 
 MICRO = 2
 CASES = [  # stage, dtype, inner, clip, partition
@@ -95,7 +96,7 @@ def parity_body(rank, world_size, tmp):
                 assert torch.equal(p, q), f"{where} resumed across offload, param {i}"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, slow(3)])
 def test_offload_is_bit_identical_to_no_offload(tmp_path, world_size):
     run_distributed(parity_body, world_size, tmp=str(tmp_path))
 

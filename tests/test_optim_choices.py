@@ -131,6 +131,7 @@ def resume_body(rank: int, world_size: int, out, optims) -> None:
             assert torch.equal(p, q), f"--optim {optim} rank {rank}: {name} differs after resuming"
 
 
+@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
 def test_whole_param_states_resume_from_trainer_checkpoints(tmp_path):
     optims, missing = available(["adafactor", "adamw_torch_8bit", "adamw_bnb_8bit"])
     for optim, package in missing.items():

@@ -13,6 +13,7 @@ from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.comm import comm_stats
 from tests.models import BranchyNet, batch, make_inner
+from tests.tiers import slow
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -238,7 +239,7 @@ def contract_body(rank, world_size):
     bad_state_dicts_case(rank, world_size)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, slow(3)])
 def test_optimizer_contract(world_size):
     run_distributed(contract_body, world_size)
 

@@ -12,6 +12,7 @@ from torch.nn.functional import mse_loss
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, assert_params_equal, batch, ddp_reference, make_inner
+from tests.tiers import slow
 
 CASES = [
     # inner, overlap, bucket MiB (tiny: ~1 param per bucket), clip (small enough to bite), scheduler
@@ -97,6 +98,6 @@ def parity_body(rank: int, world_size: int) -> None:
             run_case(rank, stage, case)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, slow(4)])
 def test_matches_ddp_every_step(world_size):
     run_distributed(parity_body, world_size)

@@ -19,6 +19,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTr
 
 from hf_lowzero import LowZeroTrainer, LowZeroTrainingArguments, with_zero  # noqa: E402
 from hf_lowzero.testing import run_distributed  # noqa: E402
+from tests.tiers import slow  # noqa: E402
 from tests.trl_setup import (  # noqa: E402
     char_tokenizer,
     preference_dataset,
@@ -119,7 +120,7 @@ def trl_body(rank, world_size, tmp, kind):
         assert runs[1]["reward"] == pytest.approx(runs[0]["reward"]) == runs[2]["reward"]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", slow("dpo"), slow("grpo")])
 def test_trl_trainer_with_zero_matches_it_without(tmp_path, kind):
     run_distributed(trl_body, 2, tmp=str(tmp_path), kind=kind)
 
