@@ -17,11 +17,13 @@ Example (inside a Ray Train worker)::
 # [Note: one call per snapshot]
 # A snapshot costs a rank one Ray call: ``land`` on its own node's holder, with the path of the
 # file it wrote its piece into. The holder checks the piece's structure (headers only), keeps the
-# file (a reference: no copy), hands the buddy node's holder a copy (a memory map of the file
-# goes into Ray's object store once and lands in a file on the buddy node) and then marks the
-# step on every holder of the run. A holder's marks are batched: the ranks of a node that land
-# together are marked with one call per holder. ``land`` returns when the marks are delivered, so
-# the rank's background thread knows that its piece is complete, or what went wrong.
+# file (a reference: no copy), sends the file to the buddy node's holder over a socket of its own
+# ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``: the kernels copy it once on each
+# node, nothing goes through Ray's object store) and then marks the step on every holder of the
+# run. A holder looks up the run's other holders once and keeps their handles. A holder's marks
+# are batched: the ranks of a node that land together are marked with one call per holder.
+# ``land`` returns when the marks are delivered, so the rank's background thread knows that its
+# piece is complete, or what went wrong.
 
 # [Note: complete snapshot]
 # Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
@@ -62,7 +64,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback  # Ray Train V2's; no public name
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -70,7 +71,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot import segments
 from hf_lowzero.snapshot.format import payload_error, piece_file_error
+from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
+from hf_lowzero.snapshot.transfer import PieceReceiver, send_piece
 
 NAMESPACE = "hf_lowzero_snapshots"
 WATCH_INTERVAL_S = 1.0
@@ -111,6 +114,7 @@ class SnapshotHolder:
     def __init__(
         self, node_id: str, controller_id: str | None, run_id: str = "", watch_interval_s: float = WATCH_INTERVAL_S
     ) -> None:
+        lower_this_process()  # [Note: background priority] in hf_lowzero/snapshot/priority.py
         self.node_id = node_id
         self.run_id = run_id or "unnamed"
         self.folder = node_folder(self.run_id, node_id)
@@ -122,6 +126,11 @@ class SnapshotHolder:
         self._complete: int | None = None
         self._kept: int | None = None  # the oldest step held on purpose: the newest complete one that may be restored
         self._to_mark: queue.Queue[_Mark] = queue.Queue()
+        self._handles: dict[str, Any] = {}  # node -> that node's holder of the run
+        self._addresses: dict[str, tuple[str, int, str]] = {}  # node -> its holder's PieceReceiver
+        self._receiver = PieceReceiver(
+            ray.util.get_node_ip_address(), self._destination, self._landed_copy, spares=self.folder
+        )
         threading.Thread(target=self._deliver_marks, daemon=True).start()
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
@@ -134,35 +143,41 @@ class SnapshotHolder:
         nodes: list[str],
         verified: bool | None = None,
         mark: bool = True,
-    ) -> str | None:
+    ) -> dict[str, Any]:
         """A rank's one call per snapshot ([Note: one call per snapshot]): keep the piece the rank
         wrote into ``path`` on this node, send a copy to ``buddy_node``'s holder, then (``mark``)
-        mark the step for the rank on the holders of ``nodes``. Returns what went wrong, or None.
+        mark the step for the rank on the holders of ``nodes``. Returns ``error`` (what went wrong,
+        or None) and where the call's time went: ``send_s`` (the copy to the buddy node) and
+        ``mark_s`` (the marks).
         """
         manifest = json.loads(manifest_json)
+        start = time.perf_counter()
         error = piece_file_error(manifest, path)
         if error is None and self._keep(manifest, path) and buddy_node is not None:
             try:
-                buddy = ray.get_actor(f"{self.run_id}:{buddy_node}", namespace=NAMESPACE)
-                copy = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # into the object store, no copy here
-                error = ray.get(buddy.put.remote(manifest_json, copy))
-            except (ValueError, ray.exceptions.RayActorError) as e:
+                error = send_piece(self._address(buddy_node), manifest_json, path)  # [Note: piece transfer]
+            except (OSError, ValueError, ray.exceptions.RayActorError) as e:
+                self._forget(buddy_node)
                 error = f"the buddy node's holder is gone ({e})"
+        sent = time.perf_counter()
         if error is not None:
             segments.unlink(path)
-            return error
-        if not mark:
-            return None
-        request = _Mark(
-            manifest["step"], manifest["rank"], manifest["world_size"], verified, tuple(dict.fromkeys(nodes))
-        )
-        self._to_mark.put(request)
-        request.done.wait()
-        return request.error
+        elif mark:
+            request = _Mark(
+                manifest["step"], manifest["rank"], manifest["world_size"], verified, tuple(dict.fromkeys(nodes))
+            )
+            self._to_mark.put(request)
+            request.done.wait()
+            error = request.error
+        return {"error": error, "send_s": sent - start, "mark_s": time.perf_counter() - sent}
+
+    def address(self) -> tuple[str, int, str]:
+        """Where another node's holder sends this holder a piece ([Note: piece transfer])."""
+        return self._receiver.address
 
     def put(self, manifest_json: str, payload: bytes | memoryview) -> str | None:
-        """Keep a piece given as its bytes (another node's copy) after checking its structure;
-        returns what is wrong with it, or None when it landed.
+        """Keep a piece given as its bytes after checking its structure; returns what is wrong with
+        it, or None when it landed (pieces from other nodes come through ``address()`` instead).
         """
         manifest = json.loads(manifest_json)
         error = payload_error(manifest, payload, checksums=False)
@@ -172,6 +187,39 @@ class SnapshotHolder:
         atomic_write(path, lambda f: Path(f).write_bytes(memoryview(payload)))
         self._keep(manifest, str(path))
         return None
+
+    def _destination(self, manifest: dict[str, Any], size: int) -> Path:
+        """Where a piece sent by another node's holder goes (ValueError: refused)."""
+        try:
+            step, rank, expected = int(manifest["step"]), int(manifest["rank"]), _size(manifest)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not an hf_lowzero snapshot piece ({e!r})") from e
+        if size != expected:
+            raise ValueError(f"a piece of {size} bytes, its manifest describes {expected}")
+        return segments.piece_path(self.folder, step, rank, copy=True)
+
+    def _landed_copy(self, manifest: dict[str, Any], path: Path) -> str | None:
+        """A piece from another node's holder is whole in ``path``: check its structure, keep it."""
+        error = piece_file_error(manifest, path)
+        if error is None:
+            self._keep(manifest, str(path))
+        return error  # the receiver removes a piece that does not check out
+
+    def _handle(self, node: str):
+        """The run's holder on ``node`` (looked up once; ValueError: there is none)."""
+        if node not in self._handles:
+            self._handles[node] = ray.get_actor(f"{self.run_id}:{node}", namespace=NAMESPACE)
+        return self._handles[node]
+
+    def _address(self, node: str) -> tuple[str, int, str]:
+        if node not in self._addresses:
+            self._addresses[node] = tuple(ray.get(self._handle(node).address.remote(), timeout=60))
+        return self._addresses[node]
+
+    def _forget(self, node: str) -> None:
+        """``node``'s holder failed us: look it up again next time."""
+        self._handles.pop(node, None)
+        self._addresses.pop(node, None)
 
     def mark(self, step: int, rank: int, world_size: int, verified: bool | None = None) -> None:
         """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete
@@ -197,7 +245,7 @@ class SnapshotHolder:
                 self._worlds = {s: w for s, w in self._worlds.items() if s >= keep}
                 self._verified = {s: v for s, v in self._verified.items() if s >= keep}
         for path in dropped:
-            segments.unlink(path)
+            segments.recycle(path, keep_at_most=len(self._pieces))  # [Note: spare files] in segments.py
 
     def index(self) -> dict[str, Any]:
         """What this holder knows: per step, the world size, the ranks that marked it, the ranks
@@ -237,6 +285,7 @@ class SnapshotHolder:
         with self._lock:
             self._pieces = {}
             self._complete = 1 << 62  # nothing lands any more
+        self._receiver.close()
         segments.remove_run_folder(self.run_id)
 
     def _keep(self, manifest: dict[str, Any], path: str) -> bool:
@@ -267,14 +316,14 @@ class SnapshotHolder:
             for (step, world_size, verified, nodes), marks in groups.items():
                 ranks = sorted(m.rank for m in marks)
                 error = None
+                others = [n for n in nodes if n != self.node_id]
                 try:
-                    others = [
-                        ray.get_actor(f"{self.run_id}:{n}", namespace=NAMESPACE) for n in nodes if n != self.node_id
-                    ]
-                    refs = [h.mark_many.remote(step, ranks, world_size, verified) for h in others]
+                    refs = [self._handle(n).mark_many.remote(step, ranks, world_size, verified) for n in others]
                     self.mark_many(step, ranks, world_size, verified)
                     ray.get(refs)
                 except (ValueError, ray.exceptions.RayActorError) as e:
+                    for n in others:
+                        self._forget(n)
                     error = f"a holder of the run is gone, step {step} is not marked everywhere ({e})"
                 for m in marks:
                     m.error = error

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from hf_lowzero.ray.holder import current_run, holder_for, release_run
 from hf_lowzero.ray.restore import discard, last_resume
 from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, MAX_INTERVAL, SnapshotSchedule, buddy_nodes
 from hf_lowzero.snapshot import ShardStager, Staged
+from hf_lowzero.snapshot.priority import lower_this_thread
 from hf_lowzero.snapshot.segments import node_folder, piece_path
 from hf_lowzero.trainer.snapshot_files import trainer_manifest
 
@@ -49,6 +51,7 @@ class _InFlight:
     step: int
     future: Future
     stopped_s: float
+    check_s: float = 0.0  # the integrity check the snapshot asked for ([Note: verified snapshots])
     busy_steps: list[float] = field(default_factory=list)
 
 
@@ -71,6 +74,7 @@ class MemorySnapshots(TrainerCallback):
         self.fault: tuple[int, Callable[[], None]] | None = None  # tests: (step, kill) between landing and marks
         self.snapshots_taken = 0
         self.stopped_s = 0.0  # seconds the step loop stopped for snapshots (copies and agreement)
+        self.timings: deque[dict] = deque(maxlen=1000)  # the last snapshots: where their time went (``_send``)
         self._stager: ShardStager | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[_InFlight] = []
@@ -116,8 +120,8 @@ class MemorySnapshots(TrainerCallback):
         if step < trainer.state.max_steps and self.schedule.due(step):
             self._take(trainer, step, now)
         integrity = trainer.zero_optimizer.integrity
-        if integrity.enabled and self.schedule.due(step + 1):
-            integrity.request(step + 1)  # only snapshots of verified steps are rollback points
+        if _rollback_points(integrity) and self.schedule.due(step + 1):
+            integrity.request(step + 1)  # [Note: verified snapshots]
         self._last_time = time.perf_counter()
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -175,18 +179,25 @@ class MemorySnapshots(TrainerCallback):
             if error is not None:
                 logger.warning("[hf_lowzero] the memory snapshot of step %d was not kept: %s", f.step, error)
                 continue
-            self.schedule.observe_snapshot(f.stopped_s, f.busy_steps, f.future.result())
+            times = f.future.result()
+            self.timings.append({"step": f.step, "stopped_s": f.stopped_s, "check_s": f.check_s, **times})
+            self.schedule.observe_snapshot(f.stopped_s + f.check_s, f.busy_steps, times["chain_s"])
 
     def _take(self, trainer, step: int, start: float) -> None:
         if self._stager is not None and self._stager.opt is not trainer.zero_optimizer:
             self.close()  # a new optimizer (model_init, a second train()): new buffers for it
         if self._stager is None:
             self._stager = ShardStager(trainer.zero_optimizer)
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_lowzero_snapshot")
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="hf_lowzero_snapshot", initializer=lower_this_thread
+            )  # [Note: background priority] in hf_lowzero/snapshot/priority.py
         staged = self._stager.stage(step)
         fields = trainer_manifest(trainer, include_state=self.rank == 0)
         integrity = trainer.zero_optimizer.integrity
-        verified = integrity.last_verified == step if integrity.enabled else None  # the same on every rank
+        verified, check_s = None, 0.0
+        if _rollback_points(integrity):  # [Note: verified snapshots]
+            verified = integrity.last_verified == step  # the same on every rank
+            check_s = integrity.verify_seconds / max(1, integrity.checks)  # the check this snapshot asked for
         future = self._executor.submit(self._send, staged, fields, verified)
         interval = self._agree(self.schedule.proposed_interval())
         changed = self.schedule.settled and interval != self.schedule.interval
@@ -196,7 +207,7 @@ class MemorySnapshots(TrainerCallback):
         stopped = time.perf_counter() - start
         self.stopped_s += stopped
         self.snapshots_taken += 1
-        self._in_flight.append(_InFlight(step, future, stopped))
+        self._in_flight.append(_InFlight(step, future, stopped, check_s))
         if not self._announced:
             self._announce(staged)
 
@@ -228,25 +239,29 @@ class MemorySnapshots(TrainerCallback):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> float:
+    def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> dict[str, float]:
         """Background thread: write the piece into this node's memory, then one call to this node's
         holder, which keeps it, copies it to the buddy node and marks it ([Note: one call per
         snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None: the
-        run does not check). Returns how long that took: the background work's whole chain (this
-        thread, the holder, the copy to the buddy node and its holder, the marks) ran within it.
+        run does not check). Returns where its time went, in seconds: ``write_s`` (checksums and
+        the file), ``send_s`` (the holder's copy to the buddy node), ``mark_s`` (the marks) and
+        ``chain_s``, the whole background chain, calls included.
         """
         start = time.perf_counter()
         step = staged.manifest["step"]
         path = piece_path(self._folder, step, self.rank)
-        manifest = staged.write(path, **fields)
+        manifest = staged.write(path, spares=self._folder, **fields)  # [Note: spare files] in segments.py
+        written = time.perf_counter()
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
         call = self._own.land.remote(json.dumps(manifest), str(path), self._buddy_node, self.nodes, verified, not torn)
-        error = ray.get(call)
-        if error is not None:
-            raise SnapshotError(f"the piece of rank {self.rank} did not land: {error}")
+        landed = ray.get(call)
+        if landed["error"] is not None:
+            raise SnapshotError(f"the piece of rank {self.rank} did not land: {landed['error']}")
         if torn:
             self.fault[1]()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        return {"write_s": written - start, "send_s": landed["send_s"], "mark_s": landed["mark_s"],
+                "chain_s": end - start}  # fmt: skip
 
     def _announce(self, staged: Staged) -> None:
         """Rank 0's console line: the interval and what snapshots cost in memory per node."""
@@ -271,6 +286,20 @@ class MemorySnapshots(TrainerCallback):
                 "process only; a lost node resumes from storage",
                 self.world_size,
             )
+
+
+# [Note: verified snapshots]
+# With ``on_mismatch="rollback"`` only snapshots of steps whose integrity checks passed are restored
+# after a failed check ([Note: rollback] in ``integrity.py``), so each snapshot asks for a check of
+# its step, and auto counts that check in the snapshot's cost. With ``"raise"`` (the default) a
+# failed check stops the run and nothing rolls back: snapshots ask for no check, so that their cost
+# is the copy's alone (a check of every step would double a CPU step), and the holders keep only
+# the newest complete one.
+
+
+def _rollback_points(integrity) -> bool:
+    """Snapshots must be verified steps ([Note: verified snapshots])."""
+    return integrity.enabled and integrity.on_mismatch == "rollback"
 
 
 def snapshot_takers() -> list[MemorySnapshots]:

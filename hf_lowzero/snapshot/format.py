@@ -39,6 +39,7 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.snapshot.segments import take_spare
 
 FORMAT = "hf_lowzero.snapshot"
 FORMAT_VERSION = 1
@@ -83,15 +84,23 @@ def encode_piece(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor]
 
 
 def write_piece(
-    shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], manifest: dict[str, Any], path: str | Path
+    shard: dict[str, torch.Tensor],
+    extras: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    path: str | Path,
+    spares: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write the piece ``encode_piece`` would build into the new file ``path`` (a memory-backed
-    segment: ``hf_lowzero.snapshot.segments``) in one pass over the tensors; returns its manifest."""
+    segment: ``hf_lowzero.snapshot.segments``) in one pass over the tensors; returns its manifest.
+    ``spares``: a folder whose spare file of the piece's size, if any, becomes ``path`` ([Note:
+    spare files] in ``segments.py``)."""
     layouts = piece_layouts(shard, extras)
+    size = sum(layout.size for _, layout in layouts)
     parts, offset = {}, 0
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    recycled = spares is not None and take_spare(spares, size, path)
+    fd = os.open(path, os.O_WRONLY if recycled else os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-        os.ftruncate(fd, sum(layout.size for _, layout in layouts))
+        os.ftruncate(fd, size)
         for name, layout in layouts:
             tensors = shard if name == "shard" else extras
             layout.write(tensors, lambda at, data, base=offset: _pwrite_all(fd, data, base + at))

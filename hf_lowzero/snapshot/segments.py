@@ -17,6 +17,13 @@ Example::
 # falls back for its object store too), else the temp folder (disk-backed files in the page cache:
 # slower under memory pressure, still no copy through Ray). A holder removes each file as soon as
 # the piece in it is no longer kept, and the run's folder when the run ends.
+
+# [Note: spare files]
+# A new file in memory costs more than the bytes written into it: the kernel finds, zeroes and maps
+# a page for every 4 KiB on first touch, about as much CPU again as the copy. So a file whose piece
+# is no longer kept becomes a spare (``spare-<size>-<id>``, at most as many as the pieces the holder
+# keeps) and the next piece of that size (the same rank's next snapshot, or the next copy from the
+# buddy node) is written over it: its pages are already there. A spare is never read.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -51,6 +59,31 @@ def node_folder(run_id: str, node_id: str) -> Path:
 def piece_path(folder: Path, step: int, rank: int, copy: bool = False) -> Path:
     """The file of rank ``rank``'s piece of ``step`` in ``folder`` (``copy``: a buddy node's copy)."""
     return folder / f"{'copy-' if copy else ''}step{step:08d}-rank{rank:05d}.piece"
+
+
+def recycle(path: str | Path, keep_at_most: int) -> None:
+    """The piece in ``path`` is no longer kept: keep its file as a spare of its size for the next
+    piece ([Note: spare files]), or remove it when its folder already has ``keep_at_most`` spares."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size == 0 or len(list(path.parent.glob("spare-*"))) >= keep_at_most:
+            raise FileNotFoundError
+        os.rename(path, path.with_name(f"spare-{size}-{uuid.uuid4().hex}"))
+    except FileNotFoundError:
+        unlink(path)
+
+
+def take_spare(folder: str | Path, size: int, target: str | Path) -> bool:
+    """Move a spare file of ``size`` bytes in ``folder`` to ``target`` (True), or find none (False).
+    Another process may take the same spare first: ``rename`` gives it to one of them."""
+    for spare in Path(folder).glob(f"spare-{size}-*"):
+        try:
+            os.rename(spare, target)
+            return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def read_range(path: str | Path, start: int, end: int) -> bytes:

@@ -62,12 +62,13 @@ class Staged:
         finally:
             self.release()
 
-    def write(self, path: str | Path, **manifest_fields: Any) -> dict[str, Any]:
+    def write(self, path: str | Path, spares: str | Path | None = None, **manifest_fields: Any) -> dict[str, Any]:
         """Write the piece into the new file ``path`` in one pass ([Note: one pass over the shard]
-        in ``format.py``); returns its manifest and frees the buffer."""
+        in ``format.py``), over a spare file of ``spares`` when there is one; returns its manifest
+        and frees the buffer."""
         try:
             dev.host_waits(self.copied)
-            return write_piece(self.shard, self.extras, {**self.manifest, **manifest_fields}, path)
+            return write_piece(self.shard, self.extras, {**self.manifest, **manifest_fields}, path, spares)
         finally:
             self.release()
 

@@ -1,0 +1,170 @@
+"""Sending a snapshot piece to a buddy node over a socket: hf_lowzero/snapshot/transfer.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_lowzero.snapshot.format import payload_error, piece_file_error, write_piece
+from hf_lowzero.snapshot.transfer import LENGTH, PieceReceiver, send_piece
+
+
+def _piece(folder: Path, step: int = 7, rank: int = 1) -> tuple[str, Path]:
+    g = torch.Generator().manual_seed(step)
+    shard = {"w.exp_avg": torch.randn(3000, generator=g), "w.master": torch.randn(3000, generator=g)}
+    extras = {"step": torch.tensor([step], dtype=torch.int64)}
+    path = folder / f"step{step}-rank{rank}.piece"
+    manifest = write_piece(shard, extras, {"step": step, "rank": rank, "world_size": 2}, path)
+    return json.dumps(manifest), path
+
+
+class Buddy:
+    """A receiver the way a holder sets one up: pieces go into its folder, checked as they land."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.kept = folder, []
+        folder.mkdir()
+        self.receiver = PieceReceiver("127.0.0.1", self.destination, self.landed)
+
+    def destination(self, manifest, size):
+        if size > 1 << 24:
+            raise ValueError(f"a piece of {size} bytes is too large")
+        return self.folder / f"copy-step{manifest['step']}-rank{manifest['rank']}.piece"
+
+    def landed(self, manifest, path):
+        error = piece_file_error(manifest, path)
+        if error is None:
+            self.kept.append(path)
+        return error
+
+
+@pytest.fixture
+def buddy(tmp_path):
+    b = Buddy(tmp_path / "buddy")
+    yield b
+    b.receiver.close()
+
+
+def test_a_piece_lands_byte_for_byte_and_checks_out(tmp_path, buddy):
+    manifest_json, path = _piece(tmp_path)
+    assert send_piece(buddy.receiver.address, manifest_json, path) is None
+    (copy,) = buddy.kept
+    assert copy.read_bytes() == path.read_bytes()
+    assert payload_error(json.loads(manifest_json), copy.read_bytes(), checksums=True) is None
+    assert sorted(p.name for p in buddy.folder.iterdir()) == [copy.name]  # no .part left
+
+
+def test_two_senders_at_once_each_land_their_own(tmp_path, buddy):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pieces = [_piece(tmp_path, step=3, rank=r) for r in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        errors = list(pool.map(lambda p: send_piece(buddy.receiver.address, *p), pieces))
+    assert errors == [None] * 4
+    for rank, (_, path) in enumerate(pieces):
+        assert (buddy.folder / f"copy-step3-rank{rank}.piece").read_bytes() == path.read_bytes()
+
+
+def test_a_piece_its_manifest_does_not_describe_is_refused_and_not_kept(tmp_path, buddy):
+    manifest_json, path = _piece(tmp_path)
+    manifest = json.loads(manifest_json)
+    manifest["parts"]["extras"][1] += 8  # says the piece is longer than the file
+    error = send_piece(buddy.receiver.address, json.dumps(manifest), path)
+    assert error is not None and "bytes" in error
+    assert buddy.kept == [] and list(buddy.folder.iterdir()) == []
+
+
+def test_the_receivers_refusal_is_the_senders_answer(tmp_path, buddy):
+    manifest_json, path = _piece(tmp_path)
+    with open(path, "ab") as f:
+        f.truncate(1 << 25)  # larger than destination() accepts
+    error = send_piece(buddy.receiver.address, manifest_json, path)
+    assert "too large" in error
+    assert list(buddy.folder.iterdir()) == []
+
+
+def test_a_sender_without_the_secret_writes_nothing(tmp_path, buddy):
+    manifest_json, path = _piece(tmp_path)
+    host, port, _ = buddy.receiver.address
+    with pytest.raises(OSError, match="did not answer"):
+        send_piece((host, port, "not-the-secret"), manifest_json, path)
+    assert list(buddy.folder.iterdir()) == []
+
+
+def test_a_sender_that_dies_midway_leaves_no_piece(tmp_path, buddy):
+    manifest_json, path = _piece(tmp_path, step=7)
+    host, port, secret = buddy.receiver.address
+    data = path.read_bytes()
+    header = json.dumps({"secret": secret, "manifest": json.loads(manifest_json), "size": len(data)}).encode()
+    with socket.create_connection((host, port)) as conn:
+        conn.sendall(LENGTH.pack(len(header)) + header + data[: len(data) // 2])
+    assert send_piece(buddy.receiver.address, *_piece(tmp_path, step=8)) is None  # it still takes the next one
+    deadline = time.monotonic() + 10
+    while len(list(buddy.folder.iterdir())) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the torn one's thread removes its .part once it sees the connection end
+    assert [p.name for p in buddy.folder.iterdir()] == ["copy-step8-rank1.piece"]
+    assert [p.name for p in buddy.kept] == ["copy-step8-rank1.piece"]
+
+
+def test_a_closed_receiver_is_an_os_error_for_the_sender(tmp_path, buddy):
+    manifest_json, path = _piece(tmp_path)
+    buddy.receiver.close()
+    with pytest.raises(OSError):
+        send_piece(buddy.receiver.address, manifest_json, path)
+
+
+def test_spare_files_are_written_over_and_give_the_same_bytes(tmp_path):
+    # [Note: spare files]: a piece written over a spare of its size (old bytes in it) is byte for
+    # byte the piece written into a new file; a spare of another size is left alone.
+    from hf_lowzero.snapshot import segments
+
+    fresh_json, fresh = _piece(tmp_path, step=5)
+    folder = tmp_path / "node"
+    folder.mkdir()
+    size = fresh.stat().st_size
+    (folder / "old").write_bytes(b"\xab" * size)
+    (folder / "other").write_bytes(b"\xab" * (size + 1))
+    segments.recycle(folder / "old", keep_at_most=4)
+    segments.recycle(folder / "other", keep_at_most=4)
+    assert sorted(p.name.split("-")[1] for p in folder.iterdir()) == sorted([str(size), str(size + 1)])
+
+    g = torch.Generator().manual_seed(5)
+    shard = {"w.exp_avg": torch.randn(3000, generator=g), "w.master": torch.randn(3000, generator=g)}
+    extras = {"step": torch.tensor([5], dtype=torch.int64)}
+    again = folder / "again.piece"
+    manifest = write_piece(shard, extras, {"step": 5, "rank": 1, "world_size": 2}, again, spares=folder)
+    assert json.dumps(manifest) == fresh_json and again.read_bytes() == fresh.read_bytes()
+    assert [p.name.split("-")[1] for p in folder.glob("spare-*")] == [str(size + 1)]  # the other size stays
+
+
+def test_the_receiver_writes_over_a_spare_of_the_pieces_size(tmp_path):
+    manifest_json, path = _piece(tmp_path)
+    folder = tmp_path / "buddy"
+    folder.mkdir()
+    (folder / f"spare-{path.stat().st_size}-x").write_bytes(b"\xcd" * path.stat().st_size)
+    kept = []
+    receiver = PieceReceiver("127.0.0.1", lambda m, size: folder / "copy.piece",
+                             lambda m, p: kept.append(p) or piece_file_error(m, p), spares=folder)  # fmt: skip
+    try:
+        assert send_piece(receiver.address, manifest_json, path) is None
+    finally:
+        receiver.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["copy.piece"]  # the spare became the copy
+    assert (folder / "copy.piece").read_bytes() == path.read_bytes()
+
+
+def test_a_node_keeps_no_more_spares_than_it_is_told():
+    import tempfile
+
+    from hf_lowzero.snapshot import segments
+
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(5):
+            Path(d, f"p{i}").write_bytes(b"x" * 10)
+            segments.recycle(Path(d, f"p{i}"), keep_at_most=2)
+        assert len(list(Path(d).iterdir())) == 2
