@@ -48,6 +48,7 @@ from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
 from hf_lowzero.snapshot.priority import ENV  # noqa: E402
 
 PARTS = ["stopped_s", "write_s", "send_s", "mark_s", "chain_s"]
+CPU_GROUPS = ["workers", "holders", "raylets", "gcs", "rest"]
 
 
 class Timings(TrainerCallback):
@@ -63,7 +64,7 @@ class Timings(TrainerCallback):
             self.path.write_text(json.dumps(list(takers[0].timings)))
 
 
-GROUPS = {"ray::RayTrainWorker": "workers", "ray::SnapshotHolder": "holders", "raylet": "raylets"}
+GROUPS = {"ray::RayTrainWorker": "workers", "ray::SnapshotHolder": "holders"}
 
 
 def _cpu_by_process() -> dict[int, tuple[str, float]]:
@@ -75,32 +76,33 @@ def _cpu_by_process() -> dict[int, tuple[str, float]]:
             continue
         title = cmd[0].split()[0] if cmd and cmd[0] else ""  # ray::SnapshotHolder.land while it runs land
         group = next((g for prefix, g in GROUPS.items() if title.startswith(prefix)), None)
-        group = group or ("raylets" if title.endswith("/raylet") else "everything else")
+        if group is None:
+            group = "raylets" if title.endswith("/raylet") else "gcs" if title.endswith("/gcs_server") else "rest"
         out[proc.info["pid"]] = (group, times.user + times.system)
     return out
 
 
 class CpuClock(TrainerCallback):
     """Rank 0: CPU seconds per step of each group of processes (training workers, snapshot holders,
-    raylets, the rest) from the end of step ``start`` to the end of the run, into ``path``."""
+    raylets, the GCS, the rest) from the end of step ``start`` to the end of the last step (the
+    holders end with training), into ``path``."""
 
     def __init__(self, path: Path, start: int = WARMUP) -> None:
         self.path, self.start = path, start
 
     def on_step_end(self, args, state, control, **kwargs):
-        if dist.get_rank() == 0 and state.global_step == self.start:
-            self._begin, self._begin_step = _cpu_by_process(), state.global_step
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if dist.get_rank() != 0 or not hasattr(self, "_begin"):
+        if dist.get_rank() != 0:
             return
-        for taker in snapshot_takers():
-            taker.wait()  # the last snapshot's background work counts too
-        groups: dict[str, float] = {}
-        for pid, (group, cpu) in _cpu_by_process().items():
-            groups[group] = groups.get(group, 0.0) + cpu - self._begin.get(pid, (group, 0.0))[1]
-        steps = state.global_step - self._begin_step
-        self.path.write_text(json.dumps({g: 1e3 * cpu / steps for g, cpu in groups.items()}))
+        if state.global_step == self.start:
+            self._begin, self._begin_step = _cpu_by_process(), state.global_step
+        elif state.global_step == state.max_steps and hasattr(self, "_begin"):
+            for taker in snapshot_takers():
+                taker.wait()  # the last snapshots' background work counts too
+            groups: dict[str, float] = {}
+            for pid, (group, cpu) in _cpu_by_process().items():
+                groups[group] = groups.get(group, 0.0) + cpu - self._begin.get(pid, (group, 0.0))[1]
+            steps = state.global_step - self._begin_step
+            self.path.write_text(json.dumps({g: 1e3 * cpu / steps for g, cpu in groups.items()}))
 
 
 def measure(name: str, fields: dict, work: Path) -> dict:
@@ -174,9 +176,9 @@ def main(argv: list[str] | None = None) -> None:
             for part in PARTS:
                 row[part.replace("_s", "_ms")] = statistics.median(x[part] for x in on)
             row["call_ms"] = row["chain_ms"] - row["write_ms"] - row["send_ms"] - row["mark_ms"]
-            for group in ("workers", "holders", "raylets", "everything else"):
+            for group in CPU_GROUPS:
                 key = f"cpu_{group}_ms"
-                row[f"cpu_{group.split()[0]}_ms"] = statistics.median(x.get(key, 0.0) for x in on) - statistics.median(
+                row[key] = statistics.median(x.get(key, 0.0) for x in on) - statistics.median(
                     x.get(key, 0.0) for x in mine if x["every"] is None
                 )
             rows.append(row)
@@ -193,12 +195,11 @@ def main(argv: list[str] | None = None) -> None:
         "(the marks on every holder), call (the rest of the one Ray call), chain (all of it).\n\n"
         "cpu_*_ms: CPU time per step with a snapshot every step minus without, summed over the machine's "
         "processes of each kind: the two training workers (the loop's copy and the background thread), "
-        "the snapshot holders, the raylets, and everything else (the GCS, Ray's other actors). On this "
-        "machine the 2 cores are both training, so CPU time spent elsewhere is taken from training.\n"
+        "the snapshot holders, the raylets, the GCS, and the rest (Ray's other actors and agents). On "
+        "this machine the 2 cores are both training, so CPU time spent elsewhere is taken from training.\n"
     )
     columns = ["model", "layout", "ms_per_step_off", "ms_per_snapshot", "stopped_ms", "write_ms", "send_ms",
-               "mark_ms", "call_ms", "chain_ms", "cpu_workers_ms", "cpu_holders_ms", "cpu_raylets_ms",
-               "cpu_everything_ms"]  # fmt: skip
+               "mark_ms", "call_ms", "chain_ms", *[f"cpu_{g}_ms" for g in CPU_GROUPS]]  # fmt: skip
     print(markdown_table(rows, columns))
     print(write_results(a.out, rows, columns, header, "", data={"runs": runs}))
 
