@@ -17,6 +17,7 @@ from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.comm import comm_stats
 from tests.models import BranchyNet, assert_params_equal, batch, ddp_reference, make_inner
+from tests.tiers import slow
 
 MICRO = 3
 
@@ -80,7 +81,7 @@ def all_accumulation_cases(rank: int, world_size: int) -> None:
     synced_micro_batches_body(rank, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, slow(3)])
 def test_accumulation_matches_ddp(world_size):
     run_distributed(all_accumulation_cases, world_size)
 

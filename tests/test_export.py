@@ -12,6 +12,7 @@ from hf_lowzero import consolidate_checkpoint
 from hf_lowzero.consolidate import export_pretrained, read_weights
 from hf_lowzero.testing import run_distributed
 from tests.hf_models import tiny_gpt2
+from tests.tiers import slow
 from tests.trainer_runs import make_args, train
 
 
@@ -28,7 +29,7 @@ def trained_checkpoint(tmp_path, stage: int, bf16: bool):
     return tmp_path / "run" / "checkpoint-2"
 
 
-@pytest.mark.parametrize("stage, bf16", [(2, True), (0, False)])
+@pytest.mark.parametrize("stage, bf16", [(2, True), slow((0, False))])
 def test_export_loads_with_from_pretrained_and_holds_the_full_fp32_weights(tmp_path, stage, bf16):
     ckpt = trained_checkpoint(tmp_path, stage, bf16)
     # ZeRO: the fp32 master rows; stage 0: the Trainer's own (fp32) weights are complete.

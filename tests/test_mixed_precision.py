@@ -11,6 +11,7 @@ from torch.nn.functional import mse_loss
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, MasterWeightReference, batch, make_inner
+from tests.tiers import slow
 
 MICRO = 2
 STEPS = 6
@@ -78,7 +79,7 @@ def parity_body(rank: int, world_size: int, dtype: torch.dtype) -> None:
         assert losses == pytest.approx(fp32_losses, rel=20 * torch.finfo(dtype).eps)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, slow(3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision_matches_unsharded_master_weights(world_size, dtype):
     run_distributed(parity_body, world_size, dtype=dtype)
@@ -194,7 +195,7 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     assert opt.step()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, slow(4)])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_adam_memory_matches_zero_formulas(stage, world_size):
     run_distributed(memory_body, world_size, stage=stage)

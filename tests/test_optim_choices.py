@@ -171,5 +171,6 @@ def muon_body(rank: int, world_size: int, out) -> None:
             )
 
 
+@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
 def test_muon_for_matrices_and_adamw_for_the_rest_given_through_optimizers(tmp_path):
     run_distributed(muon_body, 2, out=tmp_path)
