@@ -1,6 +1,6 @@
 """Where a memory snapshot's time goes: a training step with a snapshot in it, piece by piece.
 
-    python benchmarks/profile_snapshot.py            # ~8 min on a 2-core CPU machine
+    python benchmarks/profile_snapshot.py            # ~25 min on a 2-core CPU machine (--rounds 1: ~12)
 
 The cluster of ``benchmarks/recovery.py`` (a local multi-node Ray cluster: a head node and two
 worker nodes of one worker slot each, so each rank has a node of its own and its buddy is the

@@ -155,10 +155,20 @@ class SnapshotHolder:
         error = piece_file_error(manifest, path)
         if error is None and self._keep(manifest, path) and buddy_node is not None:
             try:
-                error = send_piece(self._address(buddy_node), manifest_json, path)  # [Note: piece transfer]
-            except (OSError, ValueError, ray.exceptions.RayActorError) as e:
+                address = self._address(buddy_node)
+            except (ValueError, ray.exceptions.RayActorError) as e:
+                address, error = None, f"the buddy node's holder is gone ({e})"
+            if address is not None:
+                try:
+                    error = send_piece(address, manifest_json, path)  # [Note: piece transfer]
+                except OSError as e:
+                    error = (
+                        f"the buddy node's holder at {address[0]}:{address[1]} cannot be reached ({e}): it is gone, "
+                        "or the network between the nodes does not let this TCP port through (the ports Ray's "
+                        "workers use must be open between nodes)"
+                    )
+            if error is not None:
                 self._forget(buddy_node)
-                error = f"the buddy node's holder is gone ({e})"
         sent = time.perf_counter()
         if error is not None:
             segments.unlink(path)
