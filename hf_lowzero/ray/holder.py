@@ -132,6 +132,7 @@ class SnapshotHolder:
             ray.util.get_node_ip_address(), self._destination, self._landed_copy, spares=self.folder
         )
         threading.Thread(target=self._deliver_marks, daemon=True).start()
+        threading.Thread(target=_sweep_left_over_runs, daemon=True).start()  # [Note: snapshot folder]
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
@@ -358,6 +359,16 @@ class _Mark:
     nodes: tuple[str, ...]
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+
+
+def _sweep_left_over_runs() -> None:
+    """Remove this machine's snapshot folders of runs without a holder in this cluster, untouched
+    for ``segments.STALE_S`` ([Note: snapshot folder] in ``segments.py``)."""
+    with contextlib.suppress(Exception):  # housekeeping: never the holder's failure
+        live = {entry["name"].split(":", 1)[0] for entry in ray.util.list_named_actors(all_namespaces=True)
+                if entry["namespace"] == NAMESPACE}  # fmt: skip
+        for folder in segments.sweep(live):
+            logger.info("[hf_lowzero] removed the memory snapshots a finished run left in %s", folder)
 
 
 def _size(manifest: dict[str, Any]) -> int:

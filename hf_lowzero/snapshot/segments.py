@@ -16,7 +16,9 @@ Example::
 # ``/dev/shm`` exists and has MIN_SHM_FREE free (containers often mount 64 MiB there; Ray then
 # falls back for its object store too), else the temp folder (disk-backed files in the page cache:
 # slower under memory pressure, still no copy through Ray). A holder removes each file as soon as
-# the piece in it is no longer kept, and the run's folder when the run ends.
+# the piece in it is no longer kept, and the run's folder when the run ends. Holders killed with
+# the node's Ray (``ray stop --force``) cannot: a new holder removes the folders of runs that have
+# no holder left in its cluster and whose files have not changed for STALE_S (``sweep``).
 
 # [Note: spare files]
 # A new file in memory costs more than the bytes written into it: the kernel finds, zeroes and maps
@@ -32,12 +34,14 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 SHM = Path("/dev/shm")
 MIN_SHM_FREE = 1 << 30
 ENV = "HF_LOWZERO_SNAPSHOT_DIR"
+STALE_S = 3600.0  # a run folder untouched this long, with no holder in this cluster, is left over
 
 
 def snapshot_root() -> Path:
@@ -100,6 +104,27 @@ def remove_run_folder(run_id: str) -> None:
     """Remove run ``run_id``'s folder on this machine, once the run is over: its node's pieces, and
     on a machine that runs several Ray nodes (a local test cluster) every node's, a killed one's too."""
     shutil.rmtree(snapshot_root() / _safe(run_id), ignore_errors=True)
+
+
+def sweep(live_runs: set[str], older_than_s: float = STALE_S) -> list[Path]:
+    """Remove the folders of runs that are over but were not cleaned up (their holders were killed
+    with the node's Ray, e.g. ``ray stop --force``): every run folder on this machine whose run is
+    not in ``live_runs`` and whose files have not changed for ``older_than_s`` seconds (another Ray
+    cluster on the same machine may have a live run here). Returns the folders removed."""
+    removed = []
+    now = time.time()
+    live = {_safe(run) for run in live_runs}
+    for folder in run_folders():
+        if folder.name in live:
+            continue
+        try:
+            newest = max(p.stat().st_mtime for p in [folder, *folder.iterdir()])
+        except OSError:  # removed meanwhile
+            continue
+        if now - newest >= older_than_s:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def run_folders() -> list[Path]:
