@@ -368,7 +368,7 @@ def _sweep_left_over_runs() -> None:
         live = {entry["name"].split(":", 1)[0] for entry in ray.util.list_named_actors(all_namespaces=True)
                 if entry["namespace"] == NAMESPACE}  # fmt: skip
         for folder in segments.sweep(live):
-            logger.info("[hf_lowzero] removed the memory snapshots a finished run left in %s", folder)
+            logger.warning("[hf_lowzero] removed the memory snapshots a finished run left in %s", folder)
 
 
 def _size(manifest: dict[str, Any]) -> int:
