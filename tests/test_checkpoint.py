@@ -336,6 +336,7 @@ def export_body(rank, world_size, tmp, partition="rows"):
     assert_params_equal(model, ref.module, "export")
 
 
+@pytest.mark.slow  # test tiers: tests/test_export.py keeps the full-state path in the fast tier
 def test_full_state_dict_and_consolidation(tmp_path):
     run_distributed(export_body, 3, tmp=str(tmp_path), partition="params")
     run_distributed(export_body, 3, tmp=str(tmp_path))

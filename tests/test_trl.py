@@ -167,6 +167,7 @@ def seq2seq_body(rank, world_size, tmp):
         assert runs[stage]["eval_loss"] == pytest.approx(runs[0]["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # test tiers: the SFT parity run keeps a Trainer subclass in the fast tier
 def test_seq2seq_trainer_with_zero_predicts_with_generate_like_without(tmp_path):
     run_distributed(seq2seq_body, 2, tmp=str(tmp_path))
 
