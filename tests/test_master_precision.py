@@ -171,7 +171,7 @@ def nearest_parity_body(rank, world_size, tmp):
         torch.save([p.detach().clone() for p in fp32_model.parameters()], f"{tmp}/params-fp32.pt")
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_nearest_bf16_masters_match_the_rounded_reference_at_world_sizes_1_and_2(tmp_path):
     for world_size in (1, 2):
         run_distributed(nearest_parity_body, world_size, tmp=str(tmp_path))

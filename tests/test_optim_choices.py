@@ -131,7 +131,7 @@ def resume_body(rank: int, world_size: int, out, optims) -> None:
             assert torch.equal(p, q), f"--optim {optim} rank {rank}: {name} differs after resuming"
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_whole_param_states_resume_from_trainer_checkpoints(tmp_path):
     optims, missing = available(["adafactor", "adamw_torch_8bit", "adamw_bnb_8bit"])
     for optim, package in missing.items():
@@ -171,6 +171,6 @@ def muon_body(rank: int, world_size: int, out) -> None:
             )
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_muon_for_matrices_and_adamw_for_the_rest_given_through_optimizers(tmp_path):
     run_distributed(muon_body, 2, out=tmp_path)

@@ -134,7 +134,7 @@ def test_largest_batch_fits_and_one_more_does_not():
     assert fits.peak <= plan.usable_memory < over.peak
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_plan_command(tmp_path, capsys):
     config = tiny_model_spec("gpt2").config
     config.save_pretrained(tmp_path / "model")

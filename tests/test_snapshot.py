@@ -131,7 +131,7 @@ def test_pieces_resume_to_the_uninterrupted_run(snapshotted, tmp_path):
         assert resumed == _header_and_data((snapshotted / "full" / name).read_bytes()), name
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_pieces_reshard_to_one_rank_like_the_storage_checkpoint(snapshotted, tmp_path):
     run_distributed(_restore, 1, keep=str(snapshotted / "pieces"), folder=str(tmp_path / "memory"))
     storage = snapshotted / "full" / f"checkpoint-{SNAP}"

@@ -132,7 +132,7 @@ def resume_body(rank, world_size, tmp, phase):
     assert all(torch.isfinite(torch.tensor(logged(trainer, "loss"))))
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_checkpoints_hold_every_shard_and_resume_at_another_world_size(tmp_path):
     run_distributed(resume_body, 2, tmp=str(tmp_path), phase="uninterrupted")
     run_distributed(resume_body, 1, tmp=str(tmp_path), phase="resharded")

@@ -165,7 +165,7 @@ def features_body(rank, world_size, tmp):
             assert ours.lr_scheduler.get_last_lr() == ref.lr_scheduler.get_last_lr()
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_features_match_plain_trainer(tmp_path):
     run_distributed(features_body, 2, tmp=str(tmp_path))
 
@@ -207,7 +207,7 @@ def search_body(rank, world_size, tmp):
     assert best.objective == pytest.approx(ref_best.objective, rel=1e-5)
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_model_init_and_optuna_search_rebuild_the_optimizer(tmp_path):
     run_distributed(search_body, 2, tmp=str(tmp_path))
 
@@ -315,7 +315,7 @@ def checkpoints_body(rank, world_size, tmp):
     compiled_checkpoint_body(rank, world_size, tmp)
 
 
-@pytest.mark.slow  # the fast tier keeps a smaller case of this (README: test tiers)
+@pytest.mark.slow  # test tiers (tests/tiers.py): long; shorter tests of this area stay fast
 def test_checkpoints_evaluation_and_oom_retry_match_plain_trainer(tmp_path):
     run_distributed(checkpoints_body, 2, tmp=str(tmp_path))
 
