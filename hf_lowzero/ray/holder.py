@@ -70,7 +70,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot import segments
-from hf_lowzero.snapshot.format import payload_error, piece_file_error
+from hf_lowzero.snapshot.format import manifest_error, payload_error, piece_file_error
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
 from hf_lowzero.snapshot.transfer import PieceReceiver, send_piece
@@ -202,11 +202,11 @@ class SnapshotHolder:
     def _destination(self, manifest: dict[str, Any], size: int) -> Path:
         """Where a piece sent by another node's holder goes (ValueError: refused)."""
         try:
-            step, rank, expected = int(manifest["step"]), int(manifest["rank"]), _size(manifest)
+            error, step, rank = manifest_error(manifest, size), int(manifest["step"]), int(manifest["rank"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not an hf_lowzero snapshot piece ({e!r})") from e
-        if size != expected:
-            raise ValueError(f"a piece of {size} bytes, its manifest describes {expected}")
+        if error is not None:
+            raise ValueError(error)
         return segments.piece_path(self.folder, step, rank, copy=True)
 
     def _landed_copy(self, manifest: dict[str, Any], path: Path) -> str | None:

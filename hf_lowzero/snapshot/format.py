@@ -212,7 +212,7 @@ def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksu
     checks bytes with CRC-32: no torch, no pickle. A holder checks a piece's structure as it lands;
     a restore checks every checksum before it uses a piece ([Note: complete snapshot])."""
     view = memoryview(payload)
-    error = _manifest_error(manifest, len(view))
+    error = manifest_error(manifest, len(view))
     if error is not None:
         return error
     for name, (start, end) in manifest["parts"].items():
@@ -228,7 +228,7 @@ def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
     path = Path(path)
     if not path.is_file():
         return f"no piece at {path}"
-    error = _manifest_error(manifest, path.stat().st_size)
+    error = manifest_error(manifest, path.stat().st_size)
     if error is not None:
         return error
     with open(path, "rb") as f:
@@ -247,7 +247,9 @@ def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
     return None
 
 
-def _manifest_error(manifest: dict[str, Any], size: int) -> str | None:
+def manifest_error(manifest: dict[str, Any], size: int) -> str | None:
+    """What is wrong with ``manifest`` as that of a piece of ``size`` bytes (its format, its version,
+    its length), or None: checked before a piece's bytes are read or sent."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return "not an hf_lowzero snapshot piece"
     if manifest.get("format_version") != FORMAT_VERSION:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hf_lowzero.snapshot.segments import take_spare
+from hf_lowzero.snapshot.segments import take_spare, unlink
 
 LENGTH = struct.Struct("!Q")
 MAX_HEADER = 1 << 24  # a manifest is a few KB; anything larger is not one of ours
@@ -120,11 +120,11 @@ class PieceReceiver:
                 os.close(fd)
             os.rename(part, path)
         except BaseException:
-            _unlink(part)
+            unlink(part)
             raise
         error = self._landed(manifest, path)
         if error is not None:
-            _unlink(path)
+            unlink(path)
         return error
 
 
@@ -190,8 +190,3 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
             raise ValueError(f"the connection closed after {len(data)} of {n} bytes")
         data += chunk
     return bytes(data)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
