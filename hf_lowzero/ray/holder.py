@@ -362,8 +362,10 @@ class _Mark:
 
 
 def _sweep_left_over_runs() -> None:
-    """Remove this machine's snapshot folders of runs without a holder in this cluster, untouched
-    for ``segments.STALE_S`` ([Note: snapshot folder] in ``segments.py``)."""
+    """Remove this machine's snapshot folders of runs that no holder in this cluster serves.
+
+    Only folders untouched for ``segments.STALE_S`` go ([Note: snapshot folder] in ``segments.py``).
+    """
     with contextlib.suppress(Exception):  # housekeeping: never the holder's failure
         live = {entry["name"].split(":", 1)[0] for entry in ray.util.list_named_actors(all_namespaces=True)
                 if entry["namespace"] == NAMESPACE}  # fmt: skip
