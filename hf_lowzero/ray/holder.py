@@ -11,19 +11,22 @@ Tune sweep, never see each other's pieces.
 Example (inside a Ray Train worker)::
 
     holder = holder_for(run, node_id)                                  # get or create
+    link = Link(ray.get(holder.address.remote()))                      # once
     manifest = write_piece(shard, extras, fields, path)                # the rank writes its piece in memory
-    holder.land.remote(json.dumps(manifest), str(path), buddy_node, nodes)   # kept, copied to the buddy, marked
+    link.request({"op": "land", "manifest": manifest, "path": str(path), "buddy": buddy_node, "nodes": nodes})
 
-# [Note: one call per snapshot]
-# A snapshot costs a rank one Ray call: ``land`` on its own node's holder, with the path of the
-# file it wrote its piece into. The holder checks the piece's structure (headers only), keeps the
-# file (a reference: no copy), sends the file to the buddy node's holder over a socket of its own
-# ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``: the kernels copy it once on each
-# node, nothing goes through Ray's object store) and then marks the step on every holder of the
-# run. A holder looks up the run's other holders once and keeps their handles. A holder's marks
-# are batched: the ranks of a node that land together are marked with one call per holder.
-# ``land`` returns when the marks are delivered, so the rank's background thread knows that its
-# piece is complete, or what went wrong.
+# [Note: one request per snapshot]
+# A snapshot costs a rank one request, on a connection to its own node's holder that stays open
+# for the run ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``): ``land``, with the
+# path of the file it wrote its piece into. The holder checks the piece's structure (headers only),
+# keeps the file (a reference: no copy), sends the file to the buddy node's holder on its
+# connection to it (the kernels copy it once on each node) and then marks the step on every
+# holder of the run. Nothing of it is a Ray call: a Ray call costs milliseconds of CPU on each
+# side, on the cores that train; Ray only tells a holder where the others listen (``address``),
+# once. A holder's marks are batched: the ranks of a node that land together are marked with one
+# request per holder, sent to all of them before any answer is read. ``land`` is answered when
+# the marks are delivered, so the rank's background thread knows that its piece is complete, or
+# what went wrong.
 
 # [Note: complete snapshot]
 # Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
@@ -73,7 +76,7 @@ from hf_lowzero.snapshot import segments
 from hf_lowzero.snapshot.format import manifest_error, payload_error, piece_file_error
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
-from hf_lowzero.snapshot.transfer import PieceReceiver, send_piece
+from hf_lowzero.snapshot.transfer import Endpoint, Link, ask_all
 
 NAMESPACE = "hf_lowzero_snapshots"
 WATCH_INTERVAL_S = 1.0
@@ -127,64 +130,65 @@ class SnapshotHolder:
         self._kept: int | None = None  # the oldest step held on purpose: the newest complete one that may be restored
         self._to_mark: queue.Queue[_Mark] = queue.Queue()
         self._handles: dict[str, Any] = {}  # node -> that node's holder of the run
-        self._addresses: dict[str, tuple[str, int, str]] = {}  # node -> its holder's PieceReceiver
-        self._receiver = PieceReceiver(
-            ray.util.get_node_ip_address(), self._destination, self._landed_copy, spares=self.folder
+        self._addresses: dict[str, tuple[str, int, str]] = {}  # node -> its holder's endpoint
+        self._links: dict[tuple[str, str], Link] = {}  # (node, "pieces" or "marks") -> a link to its holder
+        self._links_lock = threading.Lock()
+        self._endpoint = Endpoint(
+            ray.util.get_node_ip_address(),
+            {"land": self._land_request, "mark": self._mark_request},
+            self._destination,
+            self._landed_copy,
+            spares=self.folder,
         )
         threading.Thread(target=self._deliver_marks, daemon=True).start()
         threading.Thread(target=_sweep_left_over_runs, daemon=True).start()  # [Note: snapshot folder]
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
-    def land(
-        self,
-        manifest_json: str,
-        path: str,
-        buddy_node: str | None,
-        nodes: list[str],
-        verified: bool | None = None,
-        mark: bool = True,
-    ) -> dict[str, Any]:
-        """A rank's one call per snapshot ([Note: one call per snapshot]): keep the piece the rank
-        wrote into ``path`` on this node, send a copy to ``buddy_node``'s holder, then (``mark``)
-        mark the step for the rank on the holders of ``nodes``. Returns ``error`` (what went wrong,
-        or None) and where the call's time went: ``send_s`` (the copy to the buddy node) and
-        ``mark_s`` (the marks).
+    def _land_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A rank's one request per snapshot ([Note: one request per snapshot]): ``manifest`` and
+        ``path`` (the file the rank wrote its piece into, on this node), ``buddy`` (the node that
+        keeps a copy, or None), ``nodes`` (the run's nodes, whose holders mark the step),
+        ``verified`` (the step passed its integrity checks; None: not checked) and ``mark`` (False:
+        land only, never mark; the tests' torn snapshot). Answers ``error`` (what went wrong, or
+        None) and where the time went: ``send_s`` (the copy to the buddy node) and ``mark_s``.
         """
-        manifest = json.loads(manifest_json)
+        manifest, path, buddy_node = request["manifest"], request["path"], request.get("buddy")
         start = time.perf_counter()
         error = piece_file_error(manifest, path)
         if error is None and self._keep(manifest, path) and buddy_node is not None:
-            try:
-                address = self._address(buddy_node)
-            except (ValueError, ray.exceptions.RayActorError) as e:
-                address, error = None, f"the buddy node's holder is gone ({e})"
-            if address is not None:
-                try:
-                    error = send_piece(address, manifest_json, path)  # [Note: piece transfer]
-                except OSError as e:
-                    error = (
-                        f"the buddy node's holder at {address[0]}:{address[1]} cannot be reached ({e}): it is gone, "
-                        "or the network between the nodes does not let this TCP port through (the ports Ray's "
-                        "workers use must be open between nodes)"
-                    )
-            if error is not None:
-                self._forget(buddy_node)
+            error = self._send_copy(buddy_node, manifest, path)
         sent = time.perf_counter()
         if error is not None:
             segments.unlink(path)
-        elif mark:
-            request = _Mark(
-                manifest["step"], manifest["rank"], manifest["world_size"], verified, tuple(dict.fromkeys(nodes))
-            )
-            self._to_mark.put(request)
-            request.done.wait()
-            error = request.error
+        elif request.get("mark", True):
+            nodes = tuple(dict.fromkeys(request["nodes"]))
+            mark = _Mark(manifest["step"], manifest["rank"], manifest["world_size"], request.get("verified"), nodes)
+            self._to_mark.put(mark)
+            mark.done.wait()
+            error = mark.error
         return {"error": error, "send_s": sent - start, "mark_s": time.perf_counter() - sent}
+
+    def _send_copy(self, node: str, manifest: dict[str, Any], path: str) -> str | None:
+        """Send the piece in ``path`` to ``node``'s holder; returns what went wrong, or None."""
+        try:
+            link = self._link(node, "pieces")
+        except (ValueError, OSError, ray.exceptions.RayError) as e:
+            self._forget(node)
+            return f"the buddy node's holder is gone or cannot be reached ({e})"
+        try:
+            return link.send_piece(manifest, path)  # [Note: piece transfer]
+        except OSError as e:
+            self._forget(node)
+            return (
+                f"the buddy node's holder at {link.address[0]}:{link.address[1]} cannot be reached ({e}): it is "
+                "gone, or the network between the nodes does not let this TCP port through (the ports Ray's "
+                "workers use must be open between nodes)"
+            )
 
     def address(self) -> tuple[str, int, str]:
         """Where another node's holder sends this holder a piece ([Note: piece transfer])."""
-        return self._receiver.address
+        return self._endpoint.address
 
     def put(self, manifest_json: str, payload: bytes | memoryview) -> str | None:
         """Keep a piece given as its bytes after checking its structure; returns what is wrong with
@@ -227,18 +231,37 @@ class SnapshotHolder:
             self._addresses[node] = tuple(ray.get(self._handle(node).address.remote(), timeout=60))
         return self._addresses[node]
 
+    def _link(self, node: str, purpose: str) -> Link:
+        """The standing connection to ``node``'s holder for ``purpose`` ("pieces" or "marks"), opened
+        on first use and after it broke."""
+        with self._links_lock:
+            link = self._links.get((node, purpose))
+            if link is None or link.broken:
+                link = self._links[(node, purpose)] = Link(self._address(node))
+            return link
+
     def _forget(self, node: str) -> None:
         """``node``'s holder failed us: look it up again next time."""
         self._handles.pop(node, None)
         self._addresses.pop(node, None)
+        with self._links_lock:
+            for purpose in ("pieces", "marks"):
+                link = self._links.pop((node, purpose), None)
+                if link is not None:
+                    link.close()
 
     def mark(self, step: int, rank: int, world_size: int, verified: bool | None = None) -> None:
         """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete
         snapshot]); ``verified``: the step passed its integrity checks (None: the run checks none).
         """
-        self.mark_many(step, [rank], world_size, verified)
+        self._mark_many(step, [rank], world_size, verified)
 
-    def mark_many(self, step: int, ranks: list[int], world_size: int, verified: bool | None = None) -> None:
+    def _mark_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Another holder's batch of marks ([Note: one request per snapshot])."""
+        self._mark_many(int(request["step"]), list(request["ranks"]), int(request["world_size"]), request["verified"])
+        return {"error": None}
+
+    def _mark_many(self, step: int, ranks: list[int], world_size: int, verified: bool | None = None) -> None:
         """``mark`` for several ranks at once (a node's holder batches its ranks' marks)."""
         dropped = []
         with self._lock:
@@ -296,7 +319,11 @@ class SnapshotHolder:
         with self._lock:
             self._pieces = {}
             self._complete = 1 << 62  # nothing lands any more
-        self._receiver.close()
+        self._endpoint.close()
+        with self._links_lock:
+            for link in self._links.values():
+                link.close()
+            self._links = {}
         segments.remove_run_folder(self.run_id)
 
     def _keep(self, manifest: dict[str, Any], path: str) -> bool:
@@ -316,7 +343,7 @@ class SnapshotHolder:
         return kept
 
     def _deliver_marks(self) -> None:
-        # [Note: one call per snapshot]
+        # [Note: one request per snapshot]
         while True:
             batch = [self._to_mark.get()]
             while not self._to_mark.empty():
@@ -325,20 +352,32 @@ class SnapshotHolder:
             for m in batch:
                 groups.setdefault((m.step, m.world_size, m.verified, m.nodes), []).append(m)
             for (step, world_size, verified, nodes), marks in groups.items():
-                ranks = sorted(m.rank for m in marks)
-                error = None
                 others = [n for n in nodes if n != self.node_id]
-                try:
-                    refs = [self._handle(n).mark_many.remote(step, ranks, world_size, verified) for n in others]
-                    self.mark_many(step, ranks, world_size, verified)
-                    ray.get(refs)
-                except (ValueError, ray.exceptions.RayActorError) as e:
-                    for n in others:
-                        self._forget(n)
-                    error = f"a holder of the run is gone, step {step} is not marked everywhere ({e})"
+                error = self._mark_everywhere(others, step, sorted(m.rank for m in marks), world_size, verified)
                 for m in marks:
                     m.error = error
                     m.done.set()
+
+    def _mark_everywhere(
+        self, others: list[str], step: int, ranks: list[int], world_size: int, verified: bool | None
+    ) -> str | None:
+        """Mark ``ranks`` at ``step`` here and on the holders of ``others``; what went wrong, or None."""
+        self._mark_many(step, ranks, world_size, verified)
+        request = {"op": "mark", "step": step, "ranks": ranks, "world_size": world_size, "verified": verified}
+        failed = []
+        try:
+            links = [self._link(n, "marks") for n in others]
+        except (ValueError, OSError, ray.exceptions.RayError) as e:
+            failed, links = [(n, repr(e)) for n in others], []
+        for node, answer in zip(others, ask_all(links, request)):
+            error = str(answer) if isinstance(answer, OSError) else answer.get("error")
+            if error is not None:
+                failed.append((node, error))
+        for node, _ in failed:
+            self._forget(node)
+        if not failed:
+            return None
+        return f"a holder of the run is gone, step {step} is not marked everywhere ({failed[0][1]})"
 
     def _watch(self, controller_id: str, interval_s: float) -> None:
         # [Note: holder lifetime]

@@ -3,9 +3,10 @@
 ``prepare_trainer(trainer, snapshot_every=...)`` adds ``MemorySnapshots``; nothing else changes in
 the training function. At a snapshot step every rank copies its shard into a host buffer ([Note:
 double buffer] in ``hf_lowzero/snapshot/stager.py``) and training goes on; a background thread
-writes the piece into a file in its node's memory and makes one call to its node's holder, which
-keeps the file, copies it to the buddy node's holder and marks the step on every holder once both
-landed ([Note: one call per snapshot] and [Note: complete snapshot] in ``holder.py``).
+writes the piece into a file in its node's memory and makes one request to its node's holder, on a
+connection that stays open (no Ray call), which keeps the file, copies it to the buddy node's
+holder and marks the step on every holder once both landed ([Note: one request per snapshot] and
+[Note: complete snapshot] in ``holder.py``).
 
 Example::
 
@@ -15,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import weakref
@@ -35,6 +35,7 @@ from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, MAX_INTERVAL, SnapshotSc
 from hf_lowzero.snapshot import ShardStager, Staged
 from hf_lowzero.snapshot.priority import lower_this_thread
 from hf_lowzero.snapshot.segments import node_folder, piece_path
+from hf_lowzero.snapshot.transfer import TIMEOUT_S, Link
 from hf_lowzero.trainer.snapshot_files import trainer_manifest
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class MemorySnapshots(TrainerCallback):
         self._stager: ShardStager | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[_InFlight] = []
+        self._link: Link | None = None  # to this node's holder ([Note: one request per snapshot])
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._announced = False
@@ -161,6 +163,9 @@ class MemorySnapshots(TrainerCallback):
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
     def _collect(self, now: float) -> None:
         """Account the step that just ended, and every snapshot that finished."""
@@ -240,12 +245,12 @@ class MemorySnapshots(TrainerCallback):
         return int(value.item())
 
     def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> dict[str, float]:
-        """Background thread: write the piece into this node's memory, then one call to this node's
-        holder, which keeps it, copies it to the buddy node and marks it ([Note: one call per
-        snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None: the
-        run does not check). Returns where its time went, in seconds: ``write_s`` (checksums and
-        the file), ``send_s`` (the holder's copy to the buddy node), ``mark_s`` (the marks) and
-        ``chain_s``, the whole background chain, calls included.
+        """Background thread: write the piece into this node's memory, then one request to this
+        node's holder, which keeps it, copies it to the buddy node and marks it ([Note: one request
+        per snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None:
+        the run does not check). Returns where its time went, in seconds: ``write_s`` (checksums
+        and the file), ``send_s`` (the holder's copy to the buddy node), ``mark_s`` (the marks) and
+        ``chain_s``, the whole background chain, the request included.
         """
         start = time.perf_counter()
         step = staged.manifest["step"]
@@ -253,8 +258,13 @@ class MemorySnapshots(TrainerCallback):
         manifest = staged.write(path, spares=self._folder, **fields)  # [Note: spare files] in segments.py
         written = time.perf_counter()
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
-        call = self._own.land.remote(json.dumps(manifest), str(path), self._buddy_node, self.nodes, verified, not torn)
-        landed = ray.get(call)
+        request = {"op": "land", "manifest": manifest, "path": str(path), "buddy": self._buddy_node,
+                   "nodes": self.nodes, "verified": verified, "mark": not torn}  # fmt: skip
+        try:
+            landed = self._own_link().request(request)
+        except (OSError, ray.exceptions.RayError) as e:
+            self._link = None  # the next snapshot asks the holder where it listens again
+            raise SnapshotError(f"this node's snapshot holder cannot be reached ({e})") from e
         if landed["error"] is not None:
             raise SnapshotError(f"the piece of rank {self.rank} did not land: {landed['error']}")
         if torn:
@@ -262,6 +272,13 @@ class MemorySnapshots(TrainerCallback):
         end = time.perf_counter()
         return {"write_s": written - start, "send_s": landed["send_s"], "mark_s": landed["mark_s"],
                 "chain_s": end - start}  # fmt: skip
+
+    def _own_link(self) -> Link:
+        """The standing connection to this node's holder (background thread only)."""
+        if self._link is None or self._link.broken:
+            address = tuple(ray.get(self._own.address.remote(), timeout=60))
+            self._link = Link(address, timeout_s=3 * TIMEOUT_S)  # the holder's own waits come first
+        return self._link
 
     def _announce(self, staged: Staged) -> None:
         """Rank 0's console line: the interval and what snapshots cost in memory per node."""

@@ -1,27 +1,34 @@
-"""Sending a snapshot piece to a buddy node: the file over one TCP connection, nothing through Ray.
+"""The snapshot data plane: standing connections to a node's holder, nothing through Ray per snapshot.
 
-A node's holder keeps the file a rank wrote its piece into ([Note: one call per snapshot] in
-``hf_lowzero/ray/holder.py``) and must hand a copy to the buddy node's holder. Through Ray's object
-store that copy took four passes over the bytes (into the local store, the raylets' transfer, out
-of the remote store, into the buddy's file), on the CPUs that train. Here the sender's kernel reads
-the file into the socket (``sendfile``: no pass in Python) and the receiver's kernel writes the
-socket into the memory-mapped destination file: one copy on each node.
+A snapshot moves a rank's piece to its own node's holder and a copy to the buddy node's holder, and
+marks the step on every holder of the run ([Note: one request per snapshot] in
+``hf_lowzero/ray/holder.py``). Each of those was a Ray call: a few milliseconds of CPU on each side
+(serialization, the core worker's threads), on the cores that train, and the copy went through the
+object store in four passes over the bytes. Here every holder listens on a TCP port of its own
+(an ``Endpoint``), and the rank and the other holders keep a connection to it (a ``Link``) for the
+whole run. Ray only says where an endpoint is (one call, at setup and after a failure).
 
 Example::
 
-    receiver = PieceReceiver(host, destination, landed)   # on the buddy node's holder
-    send_piece(receiver.address, manifest_json, path)      # on the own node's holder: None, or what went wrong
+    endpoint = Endpoint(host, {"mark": on_mark}, destination, landed)   # on a holder
+    link = Link(endpoint.address)                                       # on a rank or another holder
+    link.request({"op": "mark", "step": 15})                            # -> on_mark's answer
+    link.send_piece(manifest, path)                                     # None, or what went wrong
 
 # [Note: piece transfer]
-# One connection per piece. The sender writes a header (8 bytes of length, then JSON: the
-# receiver's secret, the piece's manifest and its size in bytes). The receiver asks
-# ``destination(manifest, size)`` where the piece goes (it raises ``ValueError`` to refuse it) and
-# answers with a header (JSON: ``error``, None to go on). The sender then writes the file; the
-# receiver fills ``<destination>.part``, renames it (a file under the final name is always whole),
-# and ``landed(manifest, path)`` checks and keeps it (an error removes it). Its answer is the second
-# reply. The secret is made
-# per receiver and handed out only through its holder (a Ray call): a process that cannot call the
-# holder cannot write into the node's memory.
+# A frame is 8 bytes of length and a JSON header. A connection's first frame carries the
+# endpoint's secret; then requests go one at a time, each answered with one frame. A request is
+# ``{"op": ...}``: a piece (``"piece"``, with its manifest and size) or any op the endpoint has a
+# handler for (a holder's ``land`` and ``mark``). For a piece the endpoint first asks
+# ``destination(manifest, size)`` where it goes (``ValueError`` refuses it, and that refusal is the
+# answer); otherwise it answers ``{"error": null}`` and the sender writes the file (``sendfile``:
+# the kernel reads the file into the socket, no pass in Python), which the endpoint receives into
+# ``<destination>.part`` mapped in memory, renames (a file under its final name is always whole)
+# and hands to ``landed(manifest, path)``, whose error (the piece is removed) or None is the second
+# answer. One copy of the bytes on each node. A connection that breaks mid-request is closed (its
+# stream is no longer in step); the next request opens a new one.
+# The secret is made per endpoint and handed out only through its holder (a Ray call): a process
+# that cannot call the holder cannot write into the node's memory.
 """
 
 from __future__ import annotations
@@ -42,38 +49,49 @@ from typing import Any
 from hf_lowzero.snapshot.segments import take_spare, unlink
 
 LENGTH = struct.Struct("!Q")
-MAX_HEADER = 1 << 24  # a manifest is a few KB; anything larger is not one of ours
+MAX_HEADER = 1 << 24  # a manifest is tens of KB; anything larger is not one of ours
 TIMEOUT_S = 120.0
 BUFFER = 4 << 20  # socket buffers: fewer wake-ups per piece (the kernel caps it at its own maximum)
 
+Address = tuple[str, int, str]  # host, port, secret
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
-class PieceReceiver:
-    """A TCP server thread that lands pieces sent by ``send_piece`` ([Note: piece transfer]).
+
+class Endpoint:
+    """A TCP server thread answering ``Link`` requests: pieces, and the ops of ``handlers``
+    ([Note: piece transfer]). Each connection gets a thread; its requests are answered in turn.
 
     Args:
         host: The address to listen on (the node's IP); a free port is chosen.
-        destination: ``(manifest, size) -> Path`` where the piece goes; raises ``ValueError`` to refuse it.
-        landed: ``(manifest, path) -> error or None``, called once the file is whole.
+        handlers: ``{op: request -> answer}`` for the ops other than ``"piece"``; an exception a
+            handler raises becomes the answer ``{"error": ...}``.
+        destination: ``(manifest, size) -> Path`` where a piece goes; raises ``ValueError`` to refuse
+            it. None: pieces are refused.
+        landed: ``(manifest, path) -> error or None``, called once a piece's file is whole.
+        spares: A folder of spare files a piece may be written over ([Note: spare files] in
+            ``segments.py``).
     """
 
     def __init__(
         self,
         host: str,
-        destination: Callable[[dict[str, Any], int], Path],
-        landed: Callable[[dict[str, Any], Path], str | None],
+        handlers: dict[str, Handler] | None = None,
+        destination: Callable[[dict[str, Any], int], Path] | None = None,
+        landed: Callable[[dict[str, Any], Path], str | None] | None = None,
         spares: Path | None = None,
     ) -> None:
+        self._handlers = dict(handlers or {})
         self._destination = destination
         self._landed = landed
         self._spares = spares
         self._secret = secrets.token_hex(16)
         self._server = socket.create_server((host, 0))
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)  # the connections inherit it
-        self.address = (host, self._server.getsockname()[1], self._secret)
-        threading.Thread(target=self._serve, daemon=True, name="hf_lowzero_piece_receiver").start()
+        self.address: Address = (host, self._server.getsockname()[1], self._secret)
+        threading.Thread(target=self._serve, daemon=True, name="hf_lowzero_endpoint").start()
 
     def close(self) -> None:
-        """Stop accepting pieces."""
+        """Stop accepting connections (open ones end with their next request)."""
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept() (close alone does not)
         self._server.close()
@@ -84,25 +102,47 @@ class PieceReceiver:
                 conn, _ = self._server.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._session, args=(conn,), daemon=True).start()
 
-    def _receive(self, conn: socket.socket) -> None:
+    def _session(self, conn: socket.socket) -> None:
         with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(TIMEOUT_S)
             try:
-                header = _read_header(conn)
+                hello = _read_header(conn)
             except (OSError, ValueError):
-                return  # not a sender of ours, or gone: nothing to answer
-            if not hmac.compare_digest(str(header.get("secret", "")), self._secret):
+                return  # not a link of ours, or gone
+            if not hmac.compare_digest(str(hello.get("secret", "")), self._secret):
                 return
-            try:
-                error = self._land(conn, header["manifest"], int(header["size"]))
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                error = f"the buddy node could not take the piece: {e}"
-            with contextlib.suppress(OSError):
-                _write_header(conn, {"error": error})
+            while True:
+                conn.settimeout(None)  # a standing connection: the next snapshot may be minutes away
+                try:
+                    request = _read_header(conn)
+                except (OSError, ValueError):
+                    return  # the other side closed it (or died)
+                conn.settimeout(TIMEOUT_S)
+                try:
+                    answer = self._answer(conn, request)
+                    _write_header(conn, answer)
+                except OSError:
+                    return  # broken mid-request: the stream is out of step, the sender opens a new one
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        try:
+            if op == "piece":
+                return {"error": self._land(conn, request["manifest"], int(request["size"]))}
+            if op in self._handlers:
+                return self._handlers[op](request)
+            return {"error": f"this holder does not know the request {op!r}"}
+        except OSError:
+            raise  # this connection broke
+        except Exception as e:  # the request's failure, answered: the connection stays in step
+            return {"error": f"the request {op!r} failed here: {e!r}"}
 
     def _land(self, conn: socket.socket, manifest: dict[str, Any], size: int) -> str | None:
+        if self._destination is None or self._landed is None:
+            return "this endpoint takes no pieces"
         try:
             path = self._destination(manifest, size)
         except ValueError as e:
@@ -128,30 +168,109 @@ class PieceReceiver:
         return error
 
 
-def send_piece(address: tuple[str, int, str], manifest_json: str, path: str | Path) -> str | None:
-    """Send the piece in file ``path`` to the ``PieceReceiver`` at ``address`` ([Note: piece
-    transfer]). Returns None when it landed there, else what went wrong.
+class Link:
+    """A standing connection to an ``Endpoint``; one request at a time (threads take turns).
+
+    Args:
+        address: The endpoint's ``(host, port, secret)``.
+        timeout_s: How long to wait for the endpoint at any point of a request.
 
     Raises:
-        OSError: The receiver cannot be reached (its node or holder is gone).
+        OSError: The endpoint cannot be reached (its node or holder is gone). Any later request
+            raises ``OSError`` too once the connection broke; make a new ``Link`` then.
     """
-    host, port, secret = address
-    with open(path, "rb") as f, socket.create_connection((host, port), timeout=TIMEOUT_S) as conn:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
-        size = os.fstat(f.fileno()).st_size
-        _write_header(conn, {"secret": secret, "manifest": json.loads(manifest_json), "size": size})
-        refused = _reply(conn).get("error")  # whether to send the bytes
-        if refused is not None:
-            return refused
-        conn.sendfile(f)
-        return _reply(conn).get("error")  # whether they landed
+
+    def __init__(self, address: Address, timeout_s: float = TIMEOUT_S) -> None:
+        host, port, secret = address
+        self.address = address
+        self._lock = threading.Lock()
+        self._conn: socket.socket | None = socket.create_connection((host, port), timeout=timeout_s)
+        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
+        _write_header(self._conn, {"secret": secret})
+
+    @property
+    def broken(self) -> bool:
+        """The connection failed or was closed: this link serves no more requests."""
+        return self._conn is None
+
+    def request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send ``request`` (``{"op": ..., ...}``) and return the endpoint's answer."""
+        with self._lock:
+            conn = self._open()
+            try:
+                _write_header(conn, request)
+                return _answer(conn)
+            except OSError:
+                self._break()
+                raise
+
+    def send_piece(self, manifest: dict[str, Any], path: str | Path) -> str | None:
+        """Send the piece in file ``path`` ([Note: piece transfer]). Returns None when it landed
+        there, else what went wrong (the endpoint refused it or found it wrong)."""
+        with self._lock, open(path, "rb") as f:
+            conn = self._open()
+            try:
+                size = os.fstat(f.fileno()).st_size
+                _write_header(conn, {"op": "piece", "manifest": manifest, "size": size})
+                refused = _answer(conn).get("error")  # whether to send the bytes
+                if refused is not None:
+                    return refused
+                conn.sendfile(f)
+                return _answer(conn).get("error")  # whether they landed
+            except OSError:
+                self._break()
+                raise
+
+    def close(self) -> None:
+        """Close the connection (the endpoint's thread for it ends)."""
+        with self._lock:
+            self._break()
+
+    def _open(self) -> socket.socket:
+        if self._conn is None:
+            raise OSError(f"the connection to {self.address[0]}:{self.address[1]} broke earlier")
+        return self._conn
+
+    def _break(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
 
 
-def _reply(conn: socket.socket) -> dict[str, Any]:
+def ask_all(links: list[Link], request: dict[str, Any]) -> list[dict[str, Any] | OSError]:
+    """Send ``request`` on every link, then read every answer (the endpoints work on it at the same
+    time); each link's answer, or the ``OSError`` that broke it."""
+    out: list[dict[str, Any] | OSError] = []
+    waiting = []
+    for i, link in enumerate(links):
+        link._lock.acquire()
+        try:
+            _write_header(link._open(), request)
+            out.append({})
+            waiting.append(i)
+        except OSError as e:
+            link._break()
+            link._lock.release()
+            out.append(e)
+    for i in waiting:
+        link = links[i]
+        try:
+            out[i] = _answer(link._open())
+        except OSError as e:
+            link._break()
+            out[i] = e
+        finally:
+            link._lock.release()
+    return out
+
+
+def _answer(conn: socket.socket) -> dict[str, Any]:
     try:
         return _read_header(conn)
     except ValueError as e:
-        raise OSError(f"the buddy node's holder did not answer ({e})") from e
+        raise OSError(f"the holder did not answer ({e})") from e
 
 
 def _receive_into(conn: socket.socket, buffer: mmap.mmap, size: int) -> None:
