@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint
-from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR, rank_file_name
+from hf_lowzero.checkpoint.layout import META_FILE, TRAINER_SUBDIR, rank_file_name
 from hf_lowzero.snapshot import MARKER_FILE, ShardStager, payload_error, write_part, write_zero_metadata
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.trainer.snapshot_files import rng_from_json, rng_to_json, trainer_manifest, write_trainer_files
@@ -31,7 +31,9 @@ STEPS, SNAP = 6, 3
 
 
 class KeepPieces(TrainerCallback):
-    """At step ``step``, this rank's snapshot piece as ``MemorySnapshots`` makes it, kept in files."""
+    """At step ``step``, this rank's snapshot piece as ``MemorySnapshots`` makes it, kept in files.
+    The piece is staged at ``step`` and encoded only once training ended, later than any background
+    thread would: what it describes must be the state of ``step`` ([Note: described off the loop])."""
 
     def __init__(self, step: int, out: Path) -> None:
         self.step, self.out = step, out
@@ -39,10 +41,15 @@ class KeepPieces(TrainerCallback):
     def after_log_save_evaluate(self, trainer) -> None:
         if trainer.state.global_step != self.step:
             return
+        self.stager = ShardStager(trainer.zero_optimizer)
+        self.staged = self.stager.stage(self.step)
+        self.fields = trainer_manifest(trainer, include_state=dist.get_rank() == 0)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        assert state.global_step > self.step  # the steps after the snapshot ran before it is encoded
         rank = dist.get_rank()
-        stager = ShardStager(trainer.zero_optimizer)
-        piece = stager.stage(self.step).encode(**trainer_manifest(trainer, include_state=rank == 0))
-        stager.close()
+        piece = self.staged.encode(**self.fields)
+        self.stager.close()
         (self.out / f"manifest_{rank}.json").write_text(json.dumps(piece.manifest))
         (self.out / f"payload_{rank}.bin").write_bytes(piece.payload)
 
@@ -113,6 +120,13 @@ def test_a_pieces_shard_is_the_rank_file_of_the_checkpoint_of_the_same_step(snap
         assert piece == _header_and_data((checkpoint / rank_file_name(rank, 2)).read_bytes())
     # No model weights in memory: params are the masters cast down (and frozen ones the model's as built).
     assert "model.safetensors" not in manifest and set(manifest["parts"]) <= {"shard", "extras"}
+    # Described after training went on ([Note: described off the loop]): still step SNAP's state.
+    stored = json.loads((checkpoint / META_FILE).read_text())
+    described = json.loads((snapshotted / "pieces" / "manifest_0.json").read_text())["zero_meta"]
+    for key in ["params", "param_groups", "loss_scaler", "skipped_steps", "stage", "world_size"]:
+        assert described[key] == stored[key], key
+    steps = {json.dumps(record["scalar_state"]["step"]) for record in described["params"].values()}
+    assert steps == {json.dumps({"tensor": float(SNAP), "dtype": "float32"})}  # AdamW's, advanced in place since
 
 
 def test_pieces_resume_to_the_uninterrupted_run(snapshotted, tmp_path):

@@ -111,7 +111,7 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     return path
 
 
-def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def shard_tensors(view: ShardView, describe: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What this rank's file of a checkpoint holds: ``{key: tensor}`` (the live tensors, not copies,
     wherever they are: callers copy them) and the state records of the whole params it owns (their
     owner is the only rank that can describe them). A memory snapshot holds the same tensors
@@ -119,6 +119,7 @@ def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, A
 
     Args:
         view: This rank's shard.
+        describe: Also describe the state (``shard_records``); False: the records are ``{}``.
 
     Returns:
         The tensors by key (``layout.master_key``, ``layout.state_key``) and the state records of the
@@ -128,7 +129,7 @@ def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, A
         ValueError: The state of a whole param this rank owns cannot be described in JSON (see
             ``state_record``).
     """
-    tensors, records = {}, {}
+    tensors = {}
     for pos, name in enumerate(view.names):
         shard = view.shards[pos]
         owned = shard.owned_numel(view.rank)
@@ -143,9 +144,18 @@ def shard_tensors(view: ShardView) -> tuple[dict[str, torch.Tensor], dict[str, A
             attrs, _ = value.__tensor_flatten__()
             for attr in attrs:
                 tensors[state_key(name, f"{key}.{attr}")] = getattr(value, attr).detach()
-        if shard.whole:  # row-shard params: every rank holds the same kind of state, rank 0 describes it
-            records[name] = state_record(view, pos)
-    return tensors, records
+    return tensors, shard_records(view) if describe else {}
+
+
+def shard_records(view: ShardView) -> dict[str, Any]:
+    """The state records of the whole params this rank owns, by param name (their owner is the only
+    rank that can describe them; row-shard params: every rank holds the same kind of state, and rank
+    0 describes it in the metadata)."""
+    return {
+        name: state_record(view, pos)
+        for pos, name in enumerate(view.names)
+        if view.shards[pos].whole and view.shards[pos].owned_numel(view.rank)
+    }
 
 
 def state_record(view: ShardView, pos: int) -> dict[str, Any]:
