@@ -119,7 +119,7 @@ def test_a_pieces_shard_is_the_rank_file_of_the_checkpoint_of_the_same_step(snap
         piece = _header_and_data(_part(snapshotted / "pieces", manifest, "shard"))
         assert piece == _header_and_data((checkpoint / rank_file_name(rank, 2)).read_bytes())
     # No model weights in memory: params are the masters cast down (and frozen ones the model's as built).
-    assert "model.safetensors" not in manifest and set(manifest["parts"]) <= {"shard", "extras"}
+    assert "model.safetensors" not in manifest and set(manifest["parts"]) <= {"shard", "extras", "details"}
     # Described after training went on ([Note: described off the loop]): still step SNAP's state.
     stored = json.loads((checkpoint / META_FILE).read_text())
     described = json.loads((snapshotted / "pieces" / "manifest_0.json").read_text())["zero_meta"]
@@ -161,11 +161,35 @@ def test_a_piece_that_changed_on_the_way_is_refused(snapshotted):
     manifest = json.loads((snapshotted / "pieces" / "manifest_1.json").read_text())
     payload = bytearray((snapshotted / "pieces" / "payload_1.bin").read_bytes())
     assert payload_error(manifest, payload) is None
-    flipped = bytearray(payload)
-    flipped[-5] ^= 0x40
-    assert "does not match its checksum" in payload_error(manifest, flipped)
+    for part in ["shard", "details"]:
+        flipped = bytearray(payload)
+        flipped[manifest["parts"][part][1] - 5] ^= 0x40
+        error = payload_error(manifest, flipped)
+        assert error.startswith(f"part {part!r}: ") and error.endswith("does not match its checksum")
     assert "bytes, the manifest describes" in payload_error(manifest, payload[:-10])
     assert payload_error({**manifest, "format": "pickle"}, payload) == "not an hf_lowzero snapshot piece"
+
+
+def test_a_pieces_details_travel_in_its_file_and_only_its_frame_as_json(snapshotted, tmp_path):
+    # [Note: details in the file]: what a holder is sent is a few hundred bytes, whatever the log's
+    # length; the whole manifest comes back from the file, and changed details are refused.
+    from hf_lowzero.snapshot.format import DETAILS_ALIGN, frame_of, piece_file_error, read_manifest
+
+    manifest = json.loads((snapshotted / "pieces" / "manifest_0.json").read_text())
+    path = tmp_path / "piece"
+    path.write_bytes((snapshotted / "pieces" / "payload_0.bin").read_bytes())
+    frame = frame_of(manifest)
+    assert set(frame) == {"format", "format_version", "step", "rank", "world_size", "parts", "details_crc32"}
+    assert len(json.dumps(frame)) < 400 < len(json.dumps(manifest))
+    assert piece_file_error(frame, path) is None
+    assert read_manifest(frame, path) == manifest
+    start, end = frame["parts"]["details"]
+    assert (end - start) % DETAILS_ALIGN == 0 and end == path.stat().st_size
+    data = bytearray(path.read_bytes())
+    data[start + 2] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="do not match their checksum"):
+        read_manifest(frame, path)
 
 
 def test_rng_states_survive_json():

@@ -91,7 +91,7 @@ def test_two_senders_at_once_each_land_their_own(tmp_path, buddy):
 def test_a_piece_its_manifest_does_not_describe_is_refused_and_not_kept(tmp_path, buddy):
     manifest_json, path = _piece(tmp_path)
     manifest = json.loads(manifest_json)
-    manifest["parts"]["extras"][1] += 8  # says the piece is longer than the file
+    manifest["parts"]["details"][1] += 8  # says the piece is longer than the file
     error = send_piece(buddy.receiver.address, json.dumps(manifest), path)
     assert error is not None and "bytes" in error
     assert buddy.kept == [] and list(buddy.folder.iterdir()) == []

@@ -13,7 +13,7 @@ Example (inside a Ray Train worker)::
     holder = holder_for(run, node_id)                                  # get or create
     link = Link(ray.get(holder.address.remote()))                      # once
     manifest = write_piece(shard, extras, fields, path)                # the rank writes its piece in memory
-    link.request({"op": "land", "manifest": manifest, "path": str(path), "buddy": buddy_node, "nodes": nodes})
+    link.request({"op": "land", "manifest": frame_of(manifest), "path": str(path), "buddy": buddy_node, "nodes": nodes})
 
 # [Note: one request per snapshot]
 # A snapshot costs a rank one request, on a connection to its own node's holder that stays open
@@ -73,7 +73,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot import segments
-from hf_lowzero.snapshot.format import manifest_error, payload_error, piece_file_error
+from hf_lowzero.snapshot.format import frame_of, manifest_error, payload_error, piece_file_error, read_manifest
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
 from hf_lowzero.snapshot.transfer import Endpoint, Link, ask_all
@@ -122,7 +122,7 @@ class SnapshotHolder:
         self.run_id = run_id or "unnamed"
         self.folder = node_folder(self.run_id, node_id)
         self._lock = threading.Lock()
-        self._pieces: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}  # (step, rank) -> (manifest, file)
+        self._pieces: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}  # (step, rank) -> (frame, file)
         self._marks: dict[int, set[int]] = {}
         self._worlds: dict[int, int] = {}
         self._verified: dict[int, bool | None] = {}
@@ -146,8 +146,9 @@ class SnapshotHolder:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
     def _land_request(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A rank's one request per snapshot ([Note: one request per snapshot]): ``manifest`` and
-        ``path`` (the file the rank wrote its piece into, on this node), ``buddy`` (the node that
+        """A rank's one request per snapshot ([Note: one request per snapshot]): ``manifest`` (the
+        piece's frame: [Note: details in the file] in ``format.py``) and ``path`` (the file the rank
+        wrote its piece into, on this node), ``buddy`` (the node that
         keeps a copy, or None), ``nodes`` (the run's nodes, whose holders mark the step),
         ``verified`` (the step passed its integrity checks; None: not checked) and ``mark`` (False:
         land only, never mark; the tests' torn snapshot). Answers ``error`` (what went wrong, or
@@ -200,7 +201,7 @@ class SnapshotHolder:
             return error
         path = segments.piece_path(self.folder, manifest["step"], manifest["rank"], copy=True)
         atomic_write(path, lambda f: Path(f).write_bytes(memoryview(payload)))
-        self._keep(manifest, str(path))
+        self._keep(frame_of(manifest), str(path))
         return None
 
     def _destination(self, manifest: dict[str, Any], size: int) -> Path:
@@ -303,9 +304,12 @@ class SnapshotHolder:
             }
 
     def manifest(self, step: int, rank: int) -> dict[str, Any]:
-        """The manifest of rank ``rank``'s piece of ``step`` (KeyError when not held)."""
+        """The whole manifest of rank ``rank``'s piece of ``step``, its details read from the piece
+        ([Note: details in the file] in ``format.py``; KeyError when not held, ValueError when the
+        details do not match their checksum)."""
         with self._lock:
-            return self._pieces[(step, rank)][0]
+            frame, path = self._pieces[(step, rank)]
+        return read_manifest(frame, path)
 
     def part(self, step: int, rank: int, name: str) -> bytes:
         """One part (``"shard"`` or ``"extras"``) of a piece's payload."""

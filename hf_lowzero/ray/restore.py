@@ -166,7 +166,12 @@ def _decide(storage_step: int, nodes: list[str]) -> tuple[_Plan | None, str | No
             f"are both gone); resuming from storage, step {storage_step}"
         )
     node_of_holder = {name: indexes[name]["node_id"] for name in indexes}
-    manifests = {r: ray.get(holders[held[step][r][0]].manifest.remote(step, r)) for r in range(saved_world)}
+    try:
+        manifests = {r: ray.get(holders[held[step][r][0]].manifest.remote(step, r)) for r in range(saved_world)}
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:  # a piece's details, or its holder
+        cause = getattr(e, "cause", None) or e
+        why = f"the memory snapshot of step {step} could not be read ({cause})"
+        return None, f"{why}; resuming from storage, step {storage_step}"
     plan = _Plan(step, saved_world, tempfile.mkdtemp(prefix=f"hf_lowzero_memory_step{step}_"), manifests)
     first_on_node: dict[str, int] = {}
     for rank, node in enumerate(nodes):

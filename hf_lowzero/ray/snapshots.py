@@ -33,6 +33,7 @@ from hf_lowzero.ray.holder import current_run, holder_for, release_run
 from hf_lowzero.ray.restore import discard, last_resume
 from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, MAX_INTERVAL, SnapshotSchedule, buddy_nodes
 from hf_lowzero.snapshot import ShardStager, Staged
+from hf_lowzero.snapshot.format import frame_of
 from hf_lowzero.snapshot.priority import lower_this_thread
 from hf_lowzero.snapshot.segments import node_folder, piece_path
 from hf_lowzero.snapshot.transfer import TIMEOUT_S, Link
@@ -258,7 +259,7 @@ class MemorySnapshots(TrainerCallback):
         manifest = staged.write(path, spares=self._folder, **fields)  # [Note: spare files] in segments.py
         written = time.perf_counter()
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
-        request = {"op": "land", "manifest": manifest, "path": str(path), "buddy": self._buddy_node,
+        request = {"op": "land", "manifest": frame_of(manifest), "path": str(path), "buddy": self._buddy_node,
                    "nodes": self.nodes, "verified": verified, "mark": not torn}  # fmt: skip
         try:
             landed = self._own_link().request(request)

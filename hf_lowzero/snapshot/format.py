@@ -4,9 +4,10 @@ A snapshot is a checkpoint whose storage is node memory: each rank's piece is it
 (JSON) and its ``payload``, the bytes of exactly the rank file ``save_checkpoint`` writes (the same
 tensors, with their checksums in the safetensors header: [Note: checksums] in
 ``checkpoint/layout.py``), followed on rank 0 by a safetensors file of the model's persistent
-buffers. No pickle anywhere: a piece is JSON and safetensors, and turning one back into files runs no
-code of its own. Params are not kept: after a step they are the fp32 master rows cast down, which
-``load_checkpoint`` writes back into them; frozen params are the model's as built.
+buffers, and by the manifest's details (JSON: [Note: details in the file]). No pickle anywhere: a
+piece is JSON and safetensors, and turning one back into files runs no code of its own. Params are
+not kept: after a step they are the fp32 master rows cast down, which ``load_checkpoint`` writes
+back into them; frozen params are the model's as built.
 
 Example::
 
@@ -39,14 +40,61 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import atomic_write
-from hf_lowzero.snapshot.segments import take_spare
+from hf_lowzero.snapshot.segments import read_range, take_spare
 
 FORMAT = "hf_lowzero.snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the details are a part of the piece ([Note: details in the file])
+DETAILS = "details"
+FRAME_KEYS = ("format", "format_version", "step", "rank", "world_size", "parts", "details_crc32")
+DETAILS_ALIGN = 16 << 10  # the details are padded to this many bytes, so a piece's size rarely changes
 MARKER_FILE = "hf_lowzero_snapshot.json"  # in a checkpoint-N folder that came from memory
 # Bytes per element of each safetensors dtype tag, to walk a payload's chunks without torch.
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+# [Note: details in the file]
+# A piece's manifest is its frame (format, version, step, rank, world size, where each part lies,
+# the details' CRC-32: ``FRAME_KEYS``, a few hundred bytes), all a holder needs to check, keep and
+# send a piece; and its details (the optimizer's state records, rank 0's checkpoint metadata, the
+# RNG states, the trainer state with its log, the LR schedule), tens of KB that grow with the log
+# and are needed only at a restore. The details are the last part of the piece's file, JSON padded
+# with spaces to a multiple of ``DETAILS_ALIGN`` (so that a piece's size, and the spare files of
+# that size, stay the same from one snapshot to the next). They travel with the tensors' bytes
+# (``sendfile``), and on the way only the frame is JSON: parsing and re-encoding the whole
+# manifest at every hop was most of a holder's CPU time per snapshot. ``read_manifest`` puts the
+# two back together, checking the details' CRC-32.
+
+
+def frame_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The frame of a piece's manifest ([Note: details in the file])."""
+    return {key: manifest[key] for key in FRAME_KEYS if key in manifest}
+
+
+def read_manifest(frame: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The whole manifest of the piece in file ``path``: ``frame`` and the details it holds.
+
+    Raises:
+        ValueError: The details do not match their checksum, or are not JSON.
+    """
+    start, end = frame["parts"][DETAILS]
+    raw = read_range(path, start, end)
+    if crc32(raw) != frame.get("details_crc32"):
+        raise ValueError(
+            f"the details of rank {frame['rank']}'s piece of step {frame['step']} do not match their checksum"
+        )
+    return {**json.loads(raw), **frame}
+
+
+def _details(manifest: dict[str, Any]) -> bytes:
+    raw = json.dumps({key: value for key, value in manifest.items() if key not in FRAME_KEYS}).encode()
+    return raw + b" " * (-len(raw) % DETAILS_ALIGN)
+
+
+def _framed(manifest: dict[str, Any], parts: dict[str, list[int]], details: bytes) -> dict[str, Any]:
+    """The whole manifest, with the format fields, the parts and the details' checksum."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "parts": parts,
+            "details_crc32": crc32(details)}  # fmt: skip
 
 
 @dataclass
@@ -69,10 +117,12 @@ class Piece:
 def encode_piece(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], manifest: dict[str, Any]) -> Piece:
     """The piece of a rank: ``shard`` (its rank file's tensors, on the host) and ``extras`` (rank 0's
     persistent buffers, else empty) as safetensors bytes with their checksums, and ``manifest`` with
-    the format fields and where each part lies. The bytes are built in memory; ``write_piece`` writes
-    the same bytes into a file instead ([Note: one pass over the shard])."""
+    the format fields and where each part lies; the rest of ``manifest`` is also the piece's last
+    part ([Note: details in the file]). The bytes are built in memory; ``write_piece`` writes the
+    same bytes into a file instead ([Note: one pass over the shard])."""
     layouts = piece_layouts(shard, extras)
-    payload = bytearray(sum(layout.size for _, layout in layouts))
+    details = _details(manifest)
+    payload = bytearray(sum(layout.size for _, layout in layouts) + len(details))
     parts, offset = {}, 0
     for name, layout in layouts:
         tensors = shard if name == "shard" else extras
@@ -80,7 +130,9 @@ def encode_piece(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor]
         layout.write(tensors, lambda at, data, view=view: view.__setitem__(slice(at, at + len(data)), data))
         parts[name] = [offset, offset + layout.size]
         offset += layout.size
-    return Piece({"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "parts": parts}, payload)
+    payload[offset:] = details
+    parts[DETAILS] = [offset, offset + len(details)]
+    return Piece(_framed(manifest, parts, details), payload)
 
 
 def write_piece(
@@ -95,7 +147,8 @@ def write_piece(
     ``spares``: a folder whose spare file of the piece's size, if any, becomes ``path`` ([Note:
     spare files] in ``segments.py``)."""
     layouts = piece_layouts(shard, extras)
-    size = sum(layout.size for _, layout in layouts)
+    details = _details(manifest)
+    size = sum(layout.size for _, layout in layouts) + len(details)
     parts, offset = {}, 0
     recycled = spares is not None and take_spare(spares, size, path)
     fd = os.open(path, os.O_WRONLY if recycled else os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -106,12 +159,14 @@ def write_piece(
             layout.write(tensors, lambda at, data, base=offset: _pwrite_all(fd, data, base + at))
             parts[name] = [offset, offset + layout.size]
             offset += layout.size
+        _pwrite_all(fd, details, offset)
+        parts[DETAILS] = [offset, offset + len(details)]
     except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
     os.close(fd)
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "parts": parts}
+    return _framed(manifest, parts, details)
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -216,7 +271,14 @@ def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksu
     if error is not None:
         return error
     for name, (start, end) in manifest["parts"].items():
-        error = safetensors_error(view[start:end], checksums)
+        if name == DETAILS:  # JSON, read at a restore ([Note: details in the file])
+            error = (
+                "does not match its checksum"
+                if checksums and crc32(view[start:end]) != manifest["details_crc32"]
+                else None
+            )
+        else:
+            error = safetensors_error(view[start:end], checksums)
         if error is not None:
             return f"part {name!r}: {error}"
     return None
@@ -233,6 +295,8 @@ def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
         return error
     with open(path, "rb") as f:
         for name, (start, end) in manifest["parts"].items():
+            if name == DETAILS:  # JSON, checked when a restore reads it ([Note: details in the file])
+                continue
             f.seek(start)
             head = f.read(8)
             if len(head) < 8:
@@ -257,6 +321,8 @@ def manifest_error(manifest: dict[str, Any], size: int) -> str | None:
     ends = [end for _, end in manifest["parts"].values()]
     if not ends or max(ends) != size:
         return f"payload of {size} bytes, the manifest describes {max(ends, default=0)}"
+    if DETAILS not in manifest["parts"] or not isinstance(manifest.get("details_crc32"), int):
+        return "a piece without its details"
     return None
 
 
