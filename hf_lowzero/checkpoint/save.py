@@ -150,7 +150,8 @@ def shard_tensors(view: ShardView, describe: bool = True) -> tuple[dict[str, tor
 def shard_records(view: ShardView) -> dict[str, Any]:
     """The state records of the whole params this rank owns, by param name (their owner is the only
     rank that can describe them; row-shard params: every rank holds the same kind of state, and rank
-    0 describes it in the metadata)."""
+    0 describes it in the metadata).
+    """
     return {
         name: state_record(view, pos)
         for pos, name in enumerate(view.names)

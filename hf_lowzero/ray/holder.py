@@ -234,7 +234,8 @@ class SnapshotHolder:
 
     def _link(self, node: str, purpose: str) -> Link:
         """The standing connection to ``node``'s holder for ``purpose`` ("pieces" or "marks"), opened
-        on first use and after it broke."""
+        on first use and after it broke.
+        """
         with self._links_lock:
             link = self._links.get((node, purpose))
             if link is None or link.broken:
@@ -306,7 +307,8 @@ class SnapshotHolder:
     def manifest(self, step: int, rank: int) -> dict[str, Any]:
         """The whole manifest of rank ``rank``'s piece of ``step``, its details read from the piece
         ([Note: details in the file] in ``format.py``; KeyError when not held, ValueError when the
-        details do not match their checksum)."""
+        details do not match their checksum).
+        """
         with self._lock:
             frame, path = self._pieces[(step, rank)]
         return read_manifest(frame, path)
