@@ -18,6 +18,7 @@ No holder outlives its run: after success, and after a run that fails for good.
 """
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -285,25 +286,28 @@ def test_an_integrity_failure_rolls_back_to_the_verified_snapshot_and_ends_like_
 
 
 class CorruptEveryAttempt(TrainerCallback):
-    """A fault that is not transient: the last rank's reduced rows go wrong at ``step`` on every
-    attempt that reaches it (a bad GPU)."""
+    """A fault that is not transient: a bad GPU on node ``node``. Whichever rank runs there has its
+    reduced rows go wrong at ``step``, on every attempt that reaches it (Ray may place the ranks on
+    the nodes in another order when it restarts the group: the fault stays with the node)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, node: str) -> None:
+        self.step, self.node = step, node
 
     def on_train_begin(self, args, state, control, **kwargs):
         from hf_lowzero.zero.faults import Fault, inject
 
-        if dist.get_rank() == dist.get_world_size() - 1:
+        if ray.get_runtime_context().get_node_id() == self.node:
             self.injecting = inject(Fault("flip", rank=dist.get_rank(), step=self.step, bucket=0, bit=28, times=99))
             self.injecting.__enter__()
 
 
 def test_a_fault_that_repeats_on_one_node_stops_the_run_and_names_it(cluster, no_dropout_model, tmp_path):
     with_slots(cluster, 2)
+    bad = cluster.slot_nodes[1].node_id
     run = config("repeats", tmp_path, no_dropout_model, verify_every=1, on_mismatch="rollback", max_failures=1)
     with pytest.raises(ray.train.TrainingFailedError) as failed:
-        build_trainer(run, trainer_callbacks=[CorruptEveryAttempt(KILL_AT)]).fit()
+        build_trainer(run, trainer_callbacks=[CorruptEveryAttempt(KILL_AT, bad)]).fit()
     message = str(failed.value)
-    assert "failed a check before: rank(s) [1] on node(s)" in message and "Leave those nodes out" in message, message
+    named = re.search(r"failed a check before: rank\(s\) \[\d\] on node\(s\) \['(\w+)'\]", message)
+    assert named is not None and named.group(1) == bad and "Leave those nodes out" in message, message
     assert_no_holders_left()
