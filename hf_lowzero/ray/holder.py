@@ -149,8 +149,9 @@ class SnapshotHolder:
         """A rank's one request per snapshot ([Note: one request per snapshot]): ``manifest`` (the
         piece's frame: [Note: details in the file] in ``format.py``) and ``path`` (the file the rank
         wrote its piece into, on this node), ``buddy`` (the node that keeps a copy, or None),
-        ``nodes`` (the run's nodes, whose holders mark the step), ``verified`` (the step passed its integrity checks; None: not checked) and ``mark`` (False:
-        land only, never mark; the tests' torn snapshot). Answers ``error`` (what went wrong, or
+        ``nodes`` (the run's nodes, whose holders mark the step), ``verified`` (the step passed its
+        integrity checks; None: not checked) and ``mark`` (False: land only, never mark; the tests'
+        torn snapshot). Answers ``error`` (what went wrong, or
         None) and where the time went: ``send_s`` (the copy to the buddy node) and ``mark_s``.
         """
         manifest, path, buddy_node = request["manifest"], request["path"], request.get("buddy")
