@@ -15,7 +15,9 @@ vocabulary, dropout off), 2 workers, ZeRO-2, AdamW, gloo.
    every N steps costs once per N steps); the overhead of a setting is its step time over the same
    round's "off" run, minus 1 (median over rounds, with the smallest and largest). The same for the
    main job's model (``ray_jobs/finetune.py``'s tiny GPT-2, a 0.7 MiB shard per rank) with off, 1
-   and auto: a snapshot's cost is the step time at ``snapshot_every=1`` minus the step time without.
+   and auto, ``--main-job-steps`` steps per run (its steps take about 30 ms: 60 of them are within
+   this machine's noise): a snapshot's cost is the step time at ``snapshot_every=1`` minus the step
+   time without.
    With ``--before REF`` every run is also made with the library as it was at git commit REF (a
    worktree of it is what the Ray workers import), interleaved with today's code in each round.
 2. **A failure between two storage checkpoints** (``save_steps=20``, failure after step 37 of 40):
@@ -182,8 +184,8 @@ def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, wo
                         spec["config"],
                         name=f"overhead_{r}_{model}_{code}_{setting}".replace(" ", "_"),
                         snapshot_every=every,
-                        max_steps=a.overhead_steps,
-                        save_steps=a.overhead_steps,
+                        max_steps=spec["steps"],
+                        save_steps=spec["steps"],
                     )
                     fit_with_code(root, codes["today"], cluster.address, fields, log)
                     records = read_log(log)
@@ -251,7 +253,8 @@ def failure_row(kind: str, common: dict, work: Path, cluster) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2, help="rounds of the overhead runs")
-    p.add_argument("--overhead-steps", type=int, default=60, help="steps per overhead run")
+    p.add_argument("--overhead-steps", type=int, default=60, help="steps per overhead run of the GPT-2 model")
+    p.add_argument("--main-job-steps", type=int, default=300, help="steps per overhead run of the main job's model")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--vocab", type=int, default=8192)
@@ -285,8 +288,9 @@ def main(argv=None) -> None:
                 num_to_keep=1, max_failures=1)  # fmt: skip
     common = dict(base, per_device_train_batch_size=4, model_name_or_path=str(work / "model"))
     models = {
-        f"gpt2 {a.n_layer}x{a.n_embd}": {"settings": settings, "config": common},
-        "main job": {"settings": MAIN_JOB_SETTINGS, "config": base},  # ray_jobs/finetune.py's model and batch
+        f"gpt2 {a.n_layer}x{a.n_embd}": {"settings": settings, "config": common, "steps": a.overhead_steps},
+        # ray_jobs/finetune.py's model and batch; its steps are short, so its runs are longer
+        "main job": {"settings": MAIN_JOB_SETTINGS, "config": base, "steps": a.main_job_steps},
     }
     try:
         use_code(cluster, root)
@@ -306,6 +310,7 @@ def main(argv=None) -> None:
     header = (
         "# Memory snapshots: overhead while training, and recovery after a failure\n\n"
         f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps} "
+        f"--main-job-steps {a.main_job_steps} "
         f"--settings {a.settings}"
         f"{' --before ' + a.before if a.before else ''}`. Local "
         f"multi-node Ray cluster on a 2-core CPU machine (one worker per node), 2 workers, ZeRO-2, AdamW, "

@@ -40,6 +40,7 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.segments import read_range, take_spare
 
 FORMAT = "hf_lowzero.snapshot"
@@ -141,25 +142,29 @@ def write_piece(
     manifest: dict[str, Any],
     path: str | Path,
     spares: str | Path | None = None,
+    files: MappedFiles | None = None,
 ) -> dict[str, Any]:
     """Write the piece ``encode_piece`` would build into the new file ``path`` (a memory-backed
     segment: ``hf_lowzero.snapshot.segments``) in one pass over the tensors; returns its manifest.
     ``spares``: a folder whose spare file of the piece's size, if any, becomes ``path`` ([Note:
-    spare files] in ``segments.py``)."""
+    spare files] in ``segments.py``); ``files``: the writer's kept mappings ([Note: kept mappings]
+    in ``mapped.py``; None: the file is mapped for this write only)."""
     layouts = piece_layouts(shard, extras)
     details = _details(manifest)
     size = sum(layout.size for _, layout in layouts) + len(details)
     parts, offset = {}, 0
     recycled = spares is not None and take_spare(spares, size, path)
-    fd = os.open(path, os.O_WRONLY if recycled else os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    fd = os.open(path, os.O_RDWR if recycled else os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
-        for name, layout in layouts:
-            tensors = shard if name == "shard" else extras
-            layout.write(tensors, lambda at, data, base=offset: _pwrite_all(fd, data, base + at))
-            parts[name] = [offset, offset + layout.size]
-            offset += layout.size
-        _pwrite_all(fd, details, offset)
+        with (files if files is not None else MappedFiles(max_kept=0)).writing(
+            fd, size
+        ) as mapped:  # [Note: kept mappings]
+            for name, layout in layouts:
+                tensors = shard if name == "shard" else extras
+                layout.write(tensors, lambda at, data, base=offset: _put(mapped, base + at, data))
+                parts[name] = [offset, offset + layout.size]
+                offset += layout.size
+            _put(mapped, offset, details)
         parts[DETAILS] = [offset, offset + len(details)]
     except BaseException:
         os.close(fd)
@@ -169,11 +174,9 @@ def write_piece(
     return _framed(manifest, parts, details)
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def _put(mapped: Any, offset: int, data: bytes | memoryview) -> None:
     data = memoryview(data).cast("B")
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+    mapped[offset : offset + len(data)] = data
 
 
 # [Note: one pass over the shard]
@@ -182,8 +185,9 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 # and a copy to join; a snapshot then moved those bytes again to reach a holder. Here the header is
 # laid out first, with a fixed-width slot of "00000000" per chunk (a CRC-32 is always 8 hex
 # digits), so its length does not depend on the checksums. Then each chunk of each tensor is
-# checksummed and written to its place in one pass (the chunk is read while it is still in cache),
-# and the header goes last with its slots filled in. The data follows safetensors' own order of
+# checksummed and copied to its place in one pass (the chunk is read while it is still in cache),
+# through a mapping of the file the writer keeps ([Note: kept mappings] in ``mapped.py``), and the
+# header goes last with its slots filled in. The data follows safetensors' own order of
 # tensors (by dtype, then name), so a piece's part is byte for byte the data of the rank file
 # ``save_checkpoint`` writes; the headers are equal as JSON.
 

@@ -44,6 +44,7 @@ from hf_lowzero.checkpoint.layout import extra_key
 from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_records, shard_tensors
 from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
 from hf_lowzero.snapshot.format import Piece, encode_piece, write_piece
+from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.params import canonical_name
 
@@ -64,6 +65,7 @@ class Staged:
     describe: Callable[[], dict[str, Any]] = (
         dict  # the optimizer's part of the manifest ([Note: described off the loop])
     )
+    files: MappedFiles | None = None  # the writer's kept mappings ([Note: kept mappings] in mapped.py)
 
     def full_manifest(self, **manifest_fields: Any) -> dict[str, Any]:
         """The manifest with the optimizer's description and ``manifest_fields`` added."""
@@ -84,7 +86,7 @@ class Staged:
         and frees the buffer."""
         try:
             dev.host_waits(self.copied)
-            return write_piece(self.shard, self.extras, self.full_manifest(**manifest_fields), path, spares)
+            return write_piece(self.shard, self.extras, self.full_manifest(**manifest_fields), path, spares, self.files)
         finally:
             self.release()
 
@@ -100,6 +102,7 @@ class ShardStager:
             free.set()
         self._next = 0
         self._stream = None  # a side stream of the params' device, made at the first CUDA copy
+        self._files = MappedFiles()  # the pieces' files, mapped once ([Note: kept mappings] in mapped.py)
 
     def stage(self, step: int) -> Staged:
         """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged."""
@@ -122,13 +125,14 @@ class ShardStager:
                 described["zero_meta"] = _rank0_metadata(view, unsharded, buffer_names)
             return described
 
-        return Staged(buffers, extras, manifest, copied, self._free[i].set, describe)
+        return Staged(buffers, extras, manifest, copied, self._free[i].set, describe, self._files)
 
     def close(self) -> None:
-        """Wait for the buffers' encoders and drop the buffers."""
+        """Wait for the buffers' encoders and drop the buffers and the kept mappings."""
         for free in self._free:
             free.wait()
         self._buffers = [None, None]
+        self._files.close()
 
     def _copy(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
         """Copy ``tensors`` into ``buffers``: on CUDA on a side stream (returns the copy's event),

@@ -46,13 +46,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.segments import take_spare, unlink
 
 LENGTH = struct.Struct("!Q")
 MAX_HEADER = 1 << 24  # a manifest is tens of KB; anything larger is not one of ours
 TIMEOUT_S = 120.0
 BUFFER = 4 << 20  # socket buffers: fewer wake-ups per piece (the kernel caps it at its own maximum)
-MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: map a piece's pages in one call
 
 Address = tuple[str, int, str]  # host, port, secret
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -85,6 +85,7 @@ class Endpoint:
         self._destination = destination
         self._landed = landed
         self._spares = spares
+        self._files = MappedFiles()  # the files pieces were received into, mapped once
         self._secret = secrets.token_hex(16)
         self._server = socket.create_server((host, 0))
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)  # the connections inherit it
@@ -96,6 +97,7 @@ class Endpoint:
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept() (close alone does not)
         self._server.close()
+        self._files.close()
 
     def _serve(self) -> None:
         while True:
@@ -154,8 +156,7 @@ class Endpoint:
         try:
             fd = os.open(part, os.O_RDWR if recycled else os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.ftruncate(fd, size)
-                with mmap.mmap(fd, size, flags=MAP_FLAGS) as buffer:  # the pages mapped at once, not one fault each
+                with self._files.writing(fd, size) as buffer:  # [Note: kept mappings] in mapped.py
                     _receive_into(conn, buffer, size)
             finally:
                 os.close(fd)

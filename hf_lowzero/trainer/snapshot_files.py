@@ -120,9 +120,11 @@ def rng_from_json(rng: dict[str, Any]) -> dict[str, Any]:
 
 def _trainer_state_json(trainer) -> dict[str, Any]:
     # What _save_checkpoint writes: the state with every ExportableState callback's state, without
-    # changing the live state (a checkpoint appends to list-valued entries).
-    state = dataclasses.asdict(trainer.state)
-    stateful = state.setdefault("stateful_callbacks", {})
+    # changing the live state (a checkpoint appends to list-valued entries). The fields are taken as
+    # they are (``dataclasses.asdict`` deep-copies the log entry by entry, most of a snapshot's stop
+    # on the main job); the JSON round trip below is the copy.
+    state = {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(trainer.state)}
+    stateful = state["stateful_callbacks"] = dict(state.get("stateful_callbacks") or {})
     for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
         name = type(cb).__name__
         if isinstance(stateful.get(name), list):
