@@ -20,8 +20,10 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint
-from hf_lowzero.checkpoint.layout import META_FILE, TRAINER_SUBDIR, rank_file_name
+from hf_lowzero.checkpoint.layout import CHECKSUM_CHUNK_NUMEL, META_FILE, TRAINER_SUBDIR, rank_file_name
 from hf_lowzero.snapshot import MARKER_FILE, ShardStager, payload_error, write_part, write_zero_metadata
+from hf_lowzero.snapshot.format import encode_piece, write_piece
+from hf_lowzero.snapshot.stager import _staging_like
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.trainer.snapshot_files import rng_from_json, rng_to_json, trainer_manifest, write_trainer_files
 from tests.hf_models import TokenDataset, tiny_gpt2
@@ -190,6 +192,34 @@ def test_a_pieces_details_travel_in_its_file_and_only_its_frame_as_json(snapshot
     path.write_bytes(data)
     with pytest.raises(ValueError, match="do not match their checksum"):
         read_manifest(frame, path)
+
+
+def test_a_piece_staged_as_one_buffer_is_the_piece_written_tensor_by_tensor(tmp_path):
+    """[Note: packed staging]: the staging buffer laid out as the file's data gives the same bytes
+    (tensors, checksums, header) as the tensors written one by one; chunks and blocks of several
+    megabytes, and dtypes of every size."""
+    torch.manual_seed(0)
+    shard = {
+        "w.master": torch.randn(CHECKSUM_CHUNK_NUMEL * 2 + 7),  # three chunks, over a megabyte
+        "w.exp_avg": torch.randn(513, 3),
+        "b.master": torch.randn(5).to(torch.bfloat16),
+        "b.count": torch.arange(3, dtype=torch.int64),
+        "e.empty": torch.zeros(0),
+    }
+    stager_buffers, data = _staging_like(shard)
+    assert data is not None
+    for key, t in shard.items():
+        stager_buffers[key].copy_(t)
+    manifest = {"step": 3, "rank": 0, "world_size": 1}
+    one_by_one = write_piece(shard, {}, manifest, tmp_path / "a.piece")
+    packed = write_piece(stager_buffers, {}, manifest, tmp_path / "b.piece", shard_data=memoryview(data.numpy()))
+    assert packed == one_by_one
+    assert (tmp_path / "b.piece").read_bytes() == (tmp_path / "a.piece").read_bytes()
+    assert payload_error(packed, (tmp_path / "b.piece").read_bytes()) is None  # every checksum checked
+    data[len(data) // 2] ^= 1  # a changed byte: the checksums of the staged data are its own
+    piece = encode_piece(stager_buffers, {}, manifest, memoryview(data.numpy()))
+    assert piece.payload != (tmp_path / "a.piece").read_bytes()
+    assert payload_error(piece.manifest, piece.payload) is None
 
 
 def test_rng_states_survive_json():

@@ -47,6 +47,7 @@ FORMAT = "hf_lowzero.snapshot"
 FORMAT_VERSION = 2  # 2: the details are a part of the piece ([Note: details in the file])
 DETAILS = "details"
 FRAME_KEYS = ("format", "format_version", "step", "rank", "world_size", "parts", "details_crc32")
+PUT_BLOCK = 1 << 20  # ``write_data`` copies this much at a time, right after checksumming it
 DETAILS_ALIGN = 16 << 10  # the details are padded to this many bytes, so a piece's size rarely changes
 MARKER_FILE = "hf_lowzero_snapshot.json"  # in a checkpoint-N folder that came from memory
 # Bytes per element of each safetensors dtype tag, to walk a payload's chunks without torch.
@@ -115,12 +116,18 @@ class Piece:
         return memoryview(self.payload)[start:end]
 
 
-def encode_piece(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor], manifest: dict[str, Any]) -> Piece:
+def encode_piece(
+    shard: dict[str, torch.Tensor],
+    extras: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    shard_data: memoryview | None = None,
+) -> Piece:
     """The piece of a rank: ``shard`` (its rank file's tensors, on the host) and ``extras`` (rank 0's
     persistent buffers, else empty) as safetensors bytes with their checksums, and ``manifest`` with
     the format fields and where each part lies; the rest of ``manifest`` is also the piece's last
-    part ([Note: details in the file]). The bytes are built in memory; ``write_piece`` writes the
-    same bytes into a file instead ([Note: one pass over the shard])."""
+    part ([Note: details in the file]). ``shard_data``: ``shard``'s bytes as one buffer in the file's
+    data order, when they are staged so (``FileLayout.write_data``). The bytes are built in memory;
+    ``write_piece`` writes the same bytes into a file instead ([Note: one pass over the shard])."""
     layouts = piece_layouts(shard, extras)
     details = _details(manifest)
     payload = bytearray(sum(layout.size for _, layout in layouts) + len(details))
@@ -128,7 +135,8 @@ def encode_piece(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor]
     for name, layout in layouts:
         tensors = shard if name == "shard" else extras
         view = memoryview(payload)[offset : offset + layout.size]
-        layout.write(tensors, lambda at, data, view=view: view.__setitem__(slice(at, at + len(data)), data))
+        _write_part(layout, tensors, shard_data if name == "shard" else None,
+                    lambda at, data, view=view: view.__setitem__(slice(at, at + len(data)), data))  # fmt: skip
         parts[name] = [offset, offset + layout.size]
         offset += layout.size
     payload[offset:] = details
@@ -143,12 +151,14 @@ def write_piece(
     path: str | Path,
     spares: str | Path | None = None,
     files: MappedFiles | None = None,
+    shard_data: memoryview | None = None,
 ) -> dict[str, Any]:
     """Write the piece ``encode_piece`` would build into the new file ``path`` (a memory-backed
     segment: ``hf_lowzero.snapshot.segments``) in one pass over the tensors; returns its manifest.
     ``spares``: a folder whose spare file of the piece's size, if any, becomes ``path`` ([Note:
     spare files] in ``segments.py``); ``files``: the writer's kept mappings ([Note: kept mappings]
-    in ``mapped.py``; None: the file is mapped for this write only)."""
+    in ``mapped.py``; None: the file is mapped for this write only); ``shard_data``: as for
+    ``encode_piece``."""
     layouts = piece_layouts(shard, extras)
     details = _details(manifest)
     size = sum(layout.size for _, layout in layouts) + len(details)
@@ -161,7 +171,8 @@ def write_piece(
         ) as mapped:  # [Note: kept mappings]
             for name, layout in layouts:
                 tensors = shard if name == "shard" else extras
-                layout.write(tensors, lambda at, data, base=offset: _put(mapped, base + at, data))
+                _write_part(layout, tensors, shard_data if name == "shard" else None,
+                            lambda at, data, base=offset: _put(mapped, base + at, data))  # fmt: skip
                 parts[name] = [offset, offset + layout.size]
                 offset += layout.size
             _put(mapped, offset, details)
@@ -172,6 +183,15 @@ def write_piece(
         raise
     os.close(fd)
     return _framed(manifest, parts, details)
+
+
+def _write_part(layout: FileLayout, tensors: dict[str, torch.Tensor], data: memoryview | None, put: Any) -> None:
+    if data is None:
+        layout.write(tensors, put)
+    elif len(data) != layout.data_size:
+        raise ValueError(f"the staged data has {len(data)} bytes, its tensors {layout.data_size}")
+    else:
+        layout.write_data(data, put)
 
 
 def _put(mapped: Any, offset: int, data: bytes | memoryview) -> None:
@@ -201,6 +221,12 @@ class FileLayout:
     order: list[str]  # the tensors' keys in data order
     slots: dict[str, int]  # key -> offset in ``header`` of its first checksum slot
     size: int  # bytes in the file
+    spans: tuple[tuple[str, int, int, int], ...] = ()  # (key, start, end, element size) in the data, in order
+
+    @property
+    def data_size(self) -> int:
+        """Bytes of the tensors' data (the file less its header)."""
+        return self.size - len(self.header)
 
     def write(self, tensors: dict[str, torch.Tensor], put: Any) -> None:
         """Checksum and write ``tensors`` chunk by chunk with ``put(offset, bytes)``, then the header."""
@@ -218,6 +244,25 @@ class FileLayout:
                 header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(chunk)
                 put(offset + lo, chunk)
             offset += len(raw)
+        put(0, header)
+
+    def write_data(self, data: memoryview, put: Any) -> None:
+        """``write`` from the tensors' data as one buffer (``data_size`` bytes in data order: a
+        packed staging buffer, [Note: packed staging] in ``stager.py``): the chunks' checksums, and
+        the bytes with ``put`` in blocks of about a chunk, each right after its checksums (in cache)."""
+        header = bytearray(self.header)
+        base, done = len(header), 0
+        for key, start, end, element_size in self.spans:
+            step = CHECKSUM_CHUNK_NUMEL * element_size
+            slot = self.slots[key]
+            for i, lo in enumerate(range(start, end, step)):
+                hi = min(lo + step, end)
+                header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(data[lo:hi])
+                if hi - done >= PUT_BLOCK:
+                    put(base + done, data[done:hi])
+                    done = hi
+        if done < len(data):
+            put(base + done, data[done:])
         put(0, header)
 
 
@@ -242,12 +287,14 @@ def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileL
     probe_header.pop("__metadata__", None)
     order = sorted(probe_header, key=lambda key: probe_header[key]["data_offsets"][0])
     shapes = {key: (shape, dtype) for key, shape, dtype in spec}
-    entries, offset = {}, 0
+    entries, spans, offset = {}, [], 0
     for key in order:
         shape, dtype = shapes[key]
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        element_size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * element_size
         dtype_name = probe_header[key]["dtype"]
         entries[key] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        spans.append((key, offset, offset + nbytes, element_size))
         offset += nbytes
     # The checksum slots come first in the header, so their offsets are known as it is built.
     text, slots = '{"__metadata__":{', {}
@@ -262,7 +309,7 @@ def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileL
     raw = text.encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
     header = len(raw).to_bytes(8, "little") + raw
-    return FileLayout(header, order, slots, len(header) + offset)
+    return FileLayout(header, order, slots, len(header) + offset, tuple(spans))
 
 
 def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksums: bool = True) -> str | None:
