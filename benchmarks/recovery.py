@@ -3,6 +3,7 @@
     python benchmarks/recovery.py                 # ~15 min on a 2-core CPU machine
     python benchmarks/recovery.py --rounds 1 --overhead-steps 30   # shorter, noisier
     python benchmarks/recovery.py --before 7494209                  # also the code of a commit, interleaved
+    python benchmarks/recovery.py --no-failures --paired --settings off,1   # with and without, in each run
 
 Everything runs in one invocation on a local multi-node Ray cluster (``ray.cluster_utils.Cluster``:
 a head node and two worker nodes of one worker slot each, so each rank has a node of its own), with
@@ -18,6 +19,9 @@ vocabulary, dropout off), 2 workers, ZeRO-2, AdamW, gloo.
    and auto, ``--main-job-steps`` steps per run (its steps take about 30 ms: 60 of them are within
    this machine's noise): a snapshot's cost is the step time at ``snapshot_every=1`` minus the step
    time without.
+   With ``--paired``, a fixed ``snapshot_every`` is measured within its own run instead: blocks of
+   steps with and without snapshots in turn, each pair compared ([Note: paired blocks]; GPT-2:
+   blocks of 10 steps, the main job: 40), the median over the pairs of every round.
    With ``--before REF`` every run is also made with the library as it was at git commit REF (a
    worktree of it is what the Ray workers import), interleaved with today's code in each round.
 2. **A failure between two storage checkpoints** (``save_steps=20``, failure after step 37 of 40):
@@ -93,6 +97,51 @@ class StepClock(TrainerCallback):
                 f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
+class PairedBlocks(TrainerCallback):
+    """Snapshots only in every other block of ``block`` steps: a run with a fixed ``snapshot_every``
+    then has blocks with snapshots and blocks without, in turn ([Note: paired blocks])."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for taker in snapshot_takers():
+            fixed = taker.schedule.due
+            taker.schedule.due = lambda step, fixed=fixed: snapshots_on(step, self.block) and fixed(step)
+
+
+def snapshots_on(step: int, block: int) -> bool:
+    """Whether ``step`` is in a block with snapshots (the first block has none)."""
+    return (step // block) % 2 == 1
+
+
+# [Note: paired blocks]
+# On this VM the time of a step drifts by 10-25% from one minute to the next, so a run with
+# snapshots compared with another run without them measures the machine as much as the snapshots.
+# With ``--paired``, a run with a fixed ``snapshot_every`` takes snapshots only in every other block
+# of steps, and each block with snapshots is compared with the block without just before it: the
+# same processes, the same minute. A step's time counts toward the block of the step before it (a
+# snapshot is taken after a step ends and slows the steps after it), and the first SETTLE steps of
+# each block are left out (the last snapshots of a block are still being written then). The
+# overhead is the median over the pairs of all rounds.
+SETTLE = 2
+
+
+def paired_overheads(log: list[dict], block: int) -> list[float]:
+    """The step-time overhead of each block with snapshots over the block without them before it."""
+    ends = {r["step"]: r["time"] for r in log if r["event"] == "step_end"}
+    blocks: dict[int, list[float]] = {}
+    for step in sorted(ends):
+        if step - 1 not in ends or step < WARMUP or (step - 1) % block < SETTLE:
+            continue
+        blocks.setdefault((step - 1) // block, []).append(ends[step] - ends[step - 1])
+    return [
+        statistics.mean(blocks[b]) / statistics.mean(blocks[b - 1]) - 1
+        for b in sorted(blocks)
+        if snapshots_on(b * block, block) and b - 1 in blocks
+    ]
+
+
 class KillNodeAt(TrainerCallback):
     """At step ``step`` (end of the step, like ``InjectWorkerFailure``), once: the last rank writes its
     node id to ``signal`` and every rank waits; the driver removes that node."""
@@ -149,23 +198,25 @@ def use_code(cluster, root: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
 
 
-def fit_with_code(root: str, today: str, address: str, fields: dict, log: Path) -> None:
+def fit_with_code(root: str, today: str, address: str, fields: dict, log: Path, block: int | None = None) -> None:
     """One overhead run whose driver and workers import hf_lowzero from ``root``: in this process
-    for today's code, else in a new driver process of its own (``--one-run``)."""
+    for today's code, else in a new driver process of its own (``--one-run``); ``block``: paired
+    blocks of this many steps ([Note: paired blocks])."""
     if root == today:
-        result = fit(RayFinetuneConfig(**fields), [StepClock(log)])
+        result = fit(RayFinetuneConfig(**fields), [StepClock(log)] + ([PairedBlocks(block)] if block else []))
         if result.error:
             raise RuntimeError(f"{fields['name']} failed: {result.error}")
         return
     env = dict(os.environ, HF_LOWZERO_BENCH_ROOT=root, PYTHONPATH=root)
-    job = json.dumps({"address": address, "root": root, "fields": fields, "log": str(log)})
+    job = json.dumps({"address": address, "root": root, "fields": fields, "log": str(log), "block": block})
     subprocess.run([sys.executable, __file__, "--one-run", job], env=env, check=True, cwd=root)
 
 
 def one_run(job: dict) -> None:
     """``--one-run``: connect to the benchmark's cluster and make one run with this process's code."""
     ray.init(address=job["address"], log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": job["root"]}})
-    result = fit(RayFinetuneConfig(**job["fields"]), [StepClock(Path(job["log"]))])
+    paired = [PairedBlocks(job["block"])] if job.get("block") else []
+    result = fit(RayFinetuneConfig(**job["fields"]), [StepClock(Path(job["log"])), *paired])
     if result.error:
         raise RuntimeError(f"{job['fields']['name']} failed: {result.error}")
 
@@ -187,12 +238,14 @@ def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, wo
                         max_steps=spec["steps"],
                         save_steps=spec["steps"],
                     )
-                    fit_with_code(root, codes["today"], cluster.address, fields, log)
+                    block = spec["block"] if a.paired and isinstance(setting, int) else None
+                    fit_with_code(root, codes["today"], cluster.address, fields, log, block)
                     records = read_log(log)
                     end = next((x for x in records if x["event"] == "train_end"), {})
                     runs.append({"round": r, "model": model, "code": code, "setting": str(setting),
                                  "ms_per_step": step_ms(records), "snapshots": end.get("snapshots", 0),
-                                 "stopped_ms": end.get("stopped_ms_per_snapshot", 0.0)})  # fmt: skip
+                                 "stopped_ms": end.get("stopped_ms_per_snapshot", 0.0),
+                                 "paired": paired_overheads(records, block) if block else None})  # fmt: skip
                     print(runs[-1], flush=True)
     rows = []
     for model, spec in models.items():
@@ -201,8 +254,12 @@ def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, wo
             off = {x["round"]: x["ms_per_step"] for x in mine if x["setting"] == "off"}
             for setting in spec["settings"][1:]:
                 these = [x for x in mine if x["setting"] == str(setting)]
-                ratios = [x["ms_per_step"] / off[x["round"]] - 1 for x in these]
-                extra_ms = [x["ms_per_step"] - off[x["round"]] for x in these]
+                if these[0]["paired"] is not None:  # within each run ([Note: paired blocks])
+                    ratios = [ratio for x in these for ratio in x["paired"]]
+                    extra_ms = [ratio * off[x["round"]] for x in these for ratio in x["paired"]]
+                else:  # against the same round's run without snapshots
+                    ratios = [x["ms_per_step"] / off[x["round"]] - 1 for x in these]
+                    extra_ms = [x["ms_per_step"] - off[x["round"]] for x in these]
                 rows.append({
                     "model": model,
                     "code": code,
@@ -213,6 +270,7 @@ def overhead_rows(a, models: dict[str, dict], codes: dict[str, str], cluster, wo
                     "ms_per_step": statistics.median(x["ms_per_step"] for x in these),
                     "ms_per_snapshot": statistics.median(extra_ms) if setting == 1 else "",
                     "snapshots": statistics.median(x["snapshots"] for x in these),
+                    "measured": "paired blocks" if these[0]["paired"] is not None else "against off run",
                     "stopped_ms_per_snapshot": statistics.median(x["stopped_ms"] for x in these),
                 })  # fmt: skip
     off_ms = {
@@ -261,6 +319,9 @@ def main(argv=None) -> None:
     p.add_argument("--before", default=None, help="also measure the overhead with the code of this git commit")
     p.add_argument("--settings", default="off,1,2,5,10,auto", help="snapshot_every values of the GPT-2 runs")
     p.add_argument("--no-failures", action="store_true", help="only the overhead runs")
+    p.add_argument(
+        "--paired", action="store_true", help="fixed intervals: blocks with and without snapshots in turn in each run"
+    )
     p.add_argument("--out", default="recovery", help="results/OUT.{md,json,png}")
     p.add_argument("--one-run", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -288,9 +349,14 @@ def main(argv=None) -> None:
                 num_to_keep=1, max_failures=1)  # fmt: skip
     common = dict(base, per_device_train_batch_size=4, model_name_or_path=str(work / "model"))
     models = {
-        f"gpt2 {a.n_layer}x{a.n_embd}": {"settings": settings, "config": common, "steps": a.overhead_steps},
+        f"gpt2 {a.n_layer}x{a.n_embd}": {
+            "settings": settings,
+            "config": common,
+            "steps": a.overhead_steps,
+            "block": 10,
+        },
         # ray_jobs/finetune.py's model and batch; its steps are short, so its runs are longer
-        "main job": {"settings": MAIN_JOB_SETTINGS, "config": base, "steps": a.main_job_steps},
+        "main job": {"settings": MAIN_JOB_SETTINGS, "config": base, "steps": a.main_job_steps, "block": 40},
     }
     try:
         use_code(cluster, root)
@@ -311,7 +377,7 @@ def main(argv=None) -> None:
         "# Memory snapshots: overhead while training, and recovery after a failure\n\n"
         f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps} "
         f"--main-job-steps {a.main_job_steps} "
-        f"--settings {a.settings}"
+        f"--settings {a.settings}{' --paired' if a.paired else ''}"
         f"{' --before ' + a.before if a.before else ''}`. Local "
         f"multi-node Ray cluster on a 2-core CPU machine (one worker per node), 2 workers, ZeRO-2, AdamW, "
         f"GPT-2 {a.n_layer}x{a.n_embd}, vocab {a.vocab} ({params / 1e6:.1f}M params; a rank's shard of fp32 "
@@ -335,7 +401,7 @@ def main(argv=None) -> None:
         "from `resume_checkpoint()`'s start to the Trainer's `on_train_begin` (fetching and writing the "
         "snapshot, then loading it; for local storage only the loading).\n"
     )
-    columns = ["model", "code", "snapshot_every", "overhead_pct", "min_pct", "max_pct", "ms_per_step",
+    columns = ["model", "code", "snapshot_every", "measured", "overhead_pct", "min_pct", "max_pct", "ms_per_step",
                "ms_per_snapshot", "snapshots", "stopped_ms_per_snapshot"]  # fmt: skip
     data = {"overhead": overhead, "failures": failures, **raw}
     print(write_results(a.out, overhead, columns, header, footer, data=data))
