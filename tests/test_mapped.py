@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from hf_lowzero.snapshot import segments
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.segments import recycle, take_spare
 
@@ -52,8 +53,10 @@ def test_no_mapping_outlives_its_files_name_and_at_most_max_kept_are_kept(tmp_pa
     for path in paths[:3]:
         _write(files, path, b"1" * 10, create=True)
     assert len(files) == 2  # the least recently used went
+    kept = list(files._kept.values())
     for path in paths[:3]:
-        path.unlink()  # the holder removed them: their pages must not stay mapped
+        segments.unlink(path)  # the holder removed them: their pages must not stay mapped
+    assert [os.fstat(k.fd).st_size for k in kept] == [0, 0]  # emptied: the pages are freed already
     _write(files, paths[3], b"2" * 10, create=True)
     assert len(files) == 1
     assert sorted(os.fstat(k.fd).st_nlink for k in files._kept.values()) == [1]

@@ -41,7 +41,7 @@ from hf_lowzero.checkpoint.layout import (
 )
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot.mapped import MappedFiles
-from hf_lowzero.snapshot.segments import read_range, take_spare
+from hf_lowzero.snapshot.segments import read_range, take_spare, unlink
 
 FORMAT = "hf_lowzero.snapshot"
 FORMAT_VERSION = 2  # 2: the details are a part of the piece ([Note: details in the file])
@@ -166,9 +166,8 @@ def write_piece(
     recycled = spares is not None and take_spare(spares, size, path)
     fd = os.open(path, os.O_RDWR if recycled else os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        with (files if files is not None else MappedFiles(max_kept=0)).writing(
-            fd, size
-        ) as mapped:  # [Note: kept mappings]
+        files = files if files is not None else MappedFiles(max_kept=0)  # [Note: kept mappings]
+        with files.writing(fd, size) as mapped:
             for name, layout in layouts:
                 tensors = shard if name == "shard" else extras
                 _write_part(layout, tensors, shard_data if name == "shard" else None,
@@ -179,7 +178,7 @@ def write_piece(
         parts[DETAILS] = [offset, offset + len(details)]
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        unlink(path)
         raise
     os.close(fd)
     return _framed(manifest, parts, details)

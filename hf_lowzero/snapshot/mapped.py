@@ -15,9 +15,11 @@ Example::
 # and the next piece of its size takes it ([Note: spare files] in ``segments.py``). So a writer (a
 # rank's background thread, a holder receiving a buddy node's piece) keeps the mapping of each file
 # it wrote, by inode, with the file open, and maps a taken spare only if it never mapped that file.
-# A mapping keeps its pages in memory even once the file is removed: each ``writing`` first drops
-# the mappings of files that no longer have a name (their holder removed them), and at most
-# ``max_kept`` are kept, the least recently used going first.
+# A mapping would keep a file's pages in memory once the file is removed, so a piece's file is
+# emptied before it is removed (``segments.unlink``: the pages go at once, whoever maps them), each
+# ``writing`` first drops the mappings of files that no longer have a name, and at most
+# ``max_kept`` are kept, the least recently used going first. A kept mapping is only written
+# through right after its file was sized again to the mapping's size.
 """
 
 from __future__ import annotations

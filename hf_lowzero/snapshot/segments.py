@@ -134,7 +134,10 @@ def run_folders() -> list[Path]:
 
 
 def unlink(path: str | Path) -> None:
+    """Remove the file ``path`` and free its memory now: it is emptied first, because a writer may
+    keep a mapping of it ([Note: kept mappings] in ``mapped.py``), which would keep its pages."""
     with contextlib.suppress(FileNotFoundError):
+        os.truncate(path, 0)
         os.unlink(path)
 
 
