@@ -280,8 +280,9 @@ def file_layout(tensors: dict[str, torch.Tensor]) -> FileLayout:
 
 @functools.lru_cache(maxsize=64)
 def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileLayout:
-    # safetensors' own order and dtype names, read from a file of one element per tensor.
-    probe = safetensors_bytes({key: torch.zeros(1, dtype=dtype) for key, _, dtype in spec})
+    # safetensors' own order and dtype names, read from a file of one element per tensor (made from
+    # bytes: a factory would make fake tensors under the GPU-path simulation's FakeTensorMode).
+    probe = safetensors_bytes({key: torch.frombuffer(bytearray(dtype.itemsize), dtype=dtype) for key, _, dtype in spec})
     probe_header = json.loads(probe[8 : 8 + int.from_bytes(probe[:8], "little")])
     probe_header.pop("__metadata__", None)
     order = sorted(probe_header, key=lambda key: probe_header[key]["data_offsets"][0])
@@ -289,7 +290,7 @@ def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileL
     entries, spans, offset = {}, [], 0
     for key in order:
         shape, dtype = shapes[key]
-        element_size = torch.empty(0, dtype=dtype).element_size()
+        element_size = dtype.itemsize
         nbytes = math.prod(shape) * element_size
         dtype_name = probe_header[key]["dtype"]
         entries[key] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
