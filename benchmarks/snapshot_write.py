@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         for code in codes:
             mine = [x for x in runs if x["model"] == model and x["code"] == code]
             row = {"model": model, "code": code, **{part: statistics.median(x[part] for x in mine) for part in PARTS}}
+            row.update({part.replace("_ms", "_vs_before"): "" for part in PARTS})
             if code == "today" and a.before:
                 before = {y["round"]: y for y in runs if y["model"] == model and y["code"] == "before"}
                 for part in PARTS:
