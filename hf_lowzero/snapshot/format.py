@@ -24,6 +24,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,10 +218,9 @@ class FileLayout:
     each tensor's data."""
 
     header: bytes  # the 8-byte length and the JSON header with every checksum slot "00000000"
-    order: list[str]  # the tensors' keys in data order
     slots: dict[str, int]  # key -> offset in ``header`` of its first checksum slot
     size: int  # bytes in the file
-    spans: tuple[tuple[str, int, int, int], ...] = ()  # (key, start, end, element size) in the data, in order
+    spans: tuple[tuple[str, int, int, int], ...]  # (key, start, end, element size) in the data, in order
 
     @property
     def data_size(self) -> int:
@@ -230,19 +230,14 @@ class FileLayout:
     def write(self, tensors: dict[str, torch.Tensor], put: Any) -> None:
         """Checksum and write ``tensors`` chunk by chunk with ``put(offset, bytes)``, then the header."""
         header = bytearray(self.header)
-        offset = len(header)
-        for key in self.order:
+        base = len(header)
+        for key, start, end, element_size in self.spans:
             flat = tensors[key].detach().reshape(-1)
             if not flat.is_contiguous() or flat.device.type != "cpu":
                 raise ValueError(f"{key!r}: a piece is written from contiguous host tensors, got {flat.device}")
             raw = memoryview(flat.view(torch.uint8).numpy())
-            step = CHECKSUM_CHUNK_NUMEL * flat.element_size()
-            slot = self.slots[key]
-            for i, lo in enumerate(range(0, len(raw), step)):
-                chunk = raw[lo : lo + step]
-                header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(chunk)
-                put(offset + lo, chunk)
-            offset += len(raw)
+            for lo, hi in self._checksummed(header, key, raw, 0, end - start, element_size):
+                put(base + start + lo, raw[lo:hi])
         put(0, header)
 
     def write_data(self, data: memoryview, put: Any) -> None:
@@ -252,17 +247,25 @@ class FileLayout:
         header = bytearray(self.header)
         base, done = len(header), 0
         for key, start, end, element_size in self.spans:
-            step = CHECKSUM_CHUNK_NUMEL * element_size
-            slot = self.slots[key]
-            for i, lo in enumerate(range(start, end, step)):
-                hi = min(lo + step, end)
-                header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(data[lo:hi])
+            for _, hi in self._checksummed(header, key, data, start, end, element_size):
                 if hi - done >= PUT_BLOCK:
                     put(base + done, data[done:hi])
                     done = hi
         if done < len(data):
             put(base + done, data[done:])
         put(0, header)
+
+    def _checksummed(
+        self, header: bytearray, key: str, data: memoryview, start: int, end: int, element_size: int
+    ) -> Iterator[tuple[int, int]]:
+        """Each chunk ``[lo, hi)`` of tensor ``key``'s bytes ``data[start:end]``, once its CRC-32 is
+        in its slot of ``header``."""
+        step = CHECKSUM_CHUNK_NUMEL * element_size
+        slot = self.slots[key]
+        for i, lo in enumerate(range(start, end, step)):
+            hi = min(lo + step, end)
+            header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(data[lo:hi])
+            yield lo, hi
 
 
 def piece_layouts(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor]) -> list[tuple[str, FileLayout]]:
@@ -309,7 +312,7 @@ def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileL
     raw = text.encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
     header = len(raw).to_bytes(8, "little") + raw
-    return FileLayout(header, order, slots, len(header) + offset, tuple(spans))
+    return FileLayout(header, slots, len(header) + offset, tuple(spans))
 
 
 def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksums: bool = True) -> str | None:
