@@ -35,13 +35,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import gpt2, write_results  # noqa: E402
 
 FIRST = 6  # the first steps pay one-time costs (buffers, files, mappings)
 PARTS = ["stage_ms", "trainer_state_ms", "write_ms"]
 MODELS = {  # the main job's tiny GPT-2 (hf_lowzero/recipes/clm.py) and the GPT-2 of benchmarks/recovery.py
-    "main job": dict(n_layer=2, n_embd=64, vocab=257, n_head=4),
-    "gpt2 4x256": dict(n_layer=4, n_embd=256, vocab=8192, n_head=8),
+    "main job": dict(n_layer=2, n_embd=64, vocab=257),
+    "gpt2 4x256": dict(n_layer=4, n_embd=256, vocab=8192),
 }
 
 
@@ -82,35 +82,21 @@ class SnapshotEachStep(TrainerCallback):
             Path(self.out).write_text(json.dumps({p: statistics.median(v) for p, v in self.times.items()}))
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, vocab: int, n: int = 256, length: int = 64) -> None:
-        self.ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _train(rank: int, world_size: int, model: str, steps: int, folder: str, out: str) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from hf_lowzero import LowZeroTrainer, LowZeroTrainingArguments
+    from hf_lowzero.recipes.clm import BlockDataset
 
     torch.set_num_threads(1)  # as in a Ray worker of one CPU
     spec = MODELS[model]
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=spec["vocab"], n_positions=128, n_embd=spec["n_embd"], n_layer=spec["n_layer"],
-                        n_head=spec["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    net = gpt2(spec["n_layer"], spec["n_embd"], vocab=spec["vocab"], dropout=0.0)
+    tokens = torch.randint(0, spec["vocab"], (256 * 64,), generator=torch.Generator().manual_seed(0))
     args = LowZeroTrainingArguments(
         output_dir=str(Path(folder) / "out"), zero_stage=2, use_cpu=True, per_device_train_batch_size=4,
         max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=0,
         disable_tqdm=True,
     )  # fmt: skip
     callback = SnapshotEachStep(folder, out)
-    model = GPT2LMHeadModel(config)
-    LowZeroTrainer(model=model, args=args, train_dataset=Tokens(spec["vocab"]), callbacks=[callback]).train()
+    LowZeroTrainer(model=net, args=args, train_dataset=BlockDataset(tokens.tolist(), 64), callbacks=[callback]).train()
 
 
 def one_run(job: dict) -> None:
