@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_lowzero.checkpoint.layout import extra_key
-from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_records, shard_tensors
+from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_records
 from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
+from hf_lowzero.snapshot.copy_plan import CopyPlan
 from hf_lowzero.snapshot.format import Piece, encode_piece, file_layout, write_piece
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.zero import device as dev
@@ -110,6 +111,8 @@ class ShardStager:
     def __init__(self, opt: LowLevelZeroOptimizer) -> None:
         self.opt = opt
         self._buffers: list[tuple[dict[str, torch.Tensor], torch.Tensor | None] | None] = [None, None]
+        self._planned: list[CopyPlan | None] = [None, None]  # the plan each buffer was laid out for
+        self._plan: CopyPlan | None = None  # the last stop's ([Note: copy plan] in copy_plan.py)
         self._free = [threading.Event(), threading.Event()]
         for free in self._free:
             free.set()
@@ -120,15 +123,20 @@ class ShardStager:
     def stage(self, step: int) -> Staged:
         """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged."""
         view = ShardView.of(self.opt)
-        tensors, _ = shard_tensors(view, describe=False)  # [Note: described off the loop]
+        if self._plan is None or not self._plan.fits(view):  # [Note: copy plan] in copy_plan.py
+            self._plan = CopyPlan.of(view)  # (the state is described off the loop: [Note: described off the loop])
+        plan, tensors = self._plan, self._plan.tensors
         i, self._next = self._next, 1 - self._next
         self._free[i].wait()
         self._free[i].clear()
-        if self._buffers[i] is None or _layout(self._buffers[i][0]) != _layout(tensors):
+        if self._planned[i] is not plan and (
+            self._buffers[i] is None or _layout(self._buffers[i][0]) != _layout(tensors)
+        ):
             self._buffers[i] = _staging_like(tensors)
+        self._planned[i] = plan
         buffers, data = self._buffers[i]
         copied = self._copy(tensors, buffers)
-        _freeze_scalars(view)
+        _freeze_scalars(view, plan.scalars)
         manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size}
         unsharded, buffer_names, extras = _rank0_extras(view, self.opt.model) if view.rank == 0 else ({}, set(), {})
 
@@ -144,16 +152,15 @@ class ShardStager:
         """Wait for the buffers' encoders and drop the buffers and the kept mappings."""
         for free in self._free:
             free.wait()
-        self._buffers = [None, None]
+        self._buffers, self._planned, self._plan = [None, None], [None, None], None
         self._files.close()
 
     def _copy(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
         """Copy ``tensors`` into ``buffers``: on CUDA on a side stream (returns the copy's event),
         otherwise right away (returns None)."""
         on_device = [t for t in tensors.values() if t.device.type == "cuda"]
-        if not on_device:
-            for key, t in tensors.items():
-                buffers[key].copy_(t)
+        if not on_device:  # one call for all of them: the main job copies 84 small tensors
+            torch._foreach_copy_([buffers[key] for key in tensors], list(tensors.values()))
             return None
         device = on_device[0].device  # the params' device ([Note: the params' device])
         if self._stream is None:
@@ -190,14 +197,13 @@ def _rank0_metadata(view: ShardView, unsharded: dict[str, torch.Tensor], buffer_
     return meta
 
 
-def _freeze_scalars(view: ShardView) -> None:
-    """Replace the view's scalar state tensors (``step``, updated in place by the next step) and
-    tensor hyperparameters with copies ([Note: described off the loop]); the view's state dicts
-    and groups are its own."""
-    for pos, entries in view.state_dict["state"].items():
-        for key, value in view.scalar_state(pos).items():
-            if isinstance(value, torch.Tensor):
-                entries[key] = value.detach().clone()
+def _freeze_scalars(view: ShardView, scalars: tuple[tuple[int, str], ...]) -> None:
+    """Replace the view's scalar state tensors (``step``, updated in place by the next step: at the
+    positions and keys ``scalars``) and tensor hyperparameters with copies ([Note: described off
+    the loop]); the view's state dicts and groups are its own."""
+    state = view.state_dict["state"]
+    for pos, key in scalars:
+        state[pos][key] = state[pos][key].detach().clone()
     for group in view.state_dict["param_groups"]:  # a tensor LR is set in place by the scheduler
         for key, value in group.items():
             if isinstance(value, torch.Tensor):
