@@ -19,16 +19,22 @@ Example::
 # of the live one (a reshape of a non-contiguous entry copies), nor when a state entry is packed
 # (a tensor subclass, whose inner tensors can change under the same object): such a shard is
 # worked out at every stop.
+#
+# The same holds for the state records a piece's manifest describes (``state_record``: each param's
+# shape, its state entries' kinds and dtypes, its scalar values), which the background thread
+# works out per param at every snapshot: under one plan only the scalar values (AdamW's ``step``)
+# change, so ``records`` works each param's record out once and then only reads its scalars again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from hf_lowzero.checkpoint.save import shard_tensors
-from hf_lowzero.checkpoint.shards import ShardView
+from hf_lowzero.checkpoint.save import shard_tensors, state_record
+from hf_lowzero.checkpoint.shards import ShardView, scalar_to_json
 from hf_lowzero.zero.memory import is_packed
 
 
@@ -42,6 +48,7 @@ class CopyPlan:
     tensors: dict[str, torch.Tensor]
     scalars: tuple[tuple[int, str], ...]
     sources: tuple[torch.Tensor, ...] = ()  # the state's tensors, held: their ids stay theirs
+    _records: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, view: ShardView) -> CopyPlan:
@@ -61,6 +68,18 @@ class CopyPlan:
     def fits(self, view: ShardView) -> bool:
         """Whether this plan is ``view``'s ([Note: copy plan])."""
         return self.signature is not None and signature(view) == self.signature
+
+    def records(self, view: ShardView, positions: list[int]) -> dict[int, dict[str, Any]]:
+        """``state_record(view, pos)`` of each of ``positions``, for a view this plan fits: worked
+        out once per param, then with only its scalar values read again ([Note: copy plan])."""
+        records = {}
+        for pos in positions:
+            known = self._records.get(pos) if self.signature is not None else None
+            if known is None:
+                known = self._records[pos] = state_record(view, pos)
+            state = view.state_dict["state"].get(pos, {})
+            records[pos] = {**known, "scalar_state": {k: scalar_to_json(state[k]) for k in known["scalar_state"]}}
+        return records
 
 
 def _state_tensors(view: ShardView):

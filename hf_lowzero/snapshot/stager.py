@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_lowzero.checkpoint.layout import extra_key
-from hf_lowzero.checkpoint.save import checkpoint_metadata, shard_records
+from hf_lowzero.checkpoint.save import checkpoint_metadata
 from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
 from hf_lowzero.snapshot.copy_plan import CopyPlan
 from hf_lowzero.snapshot.format import Piece, encode_piece, file_layout, write_piece
@@ -140,10 +140,13 @@ class ShardStager:
         manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size}
         unsharded, buffer_names, extras = _rank0_extras(view, self.opt.model) if view.rank == 0 else ({}, set(), {})
 
-        def describe() -> dict[str, Any]:
-            described: dict[str, Any] = {"records": shard_records(view)}
+        def describe() -> dict[str, Any]:  # the plan's records ([Note: copy plan] in copy_plan.py)
+            owned = [pos for pos, shard in enumerate(view.shards) if shard.whole and shard.owned_numel(view.rank)]
+            records = plan.records(view, list(range(len(view.names))) if view.rank == 0 else owned)
+            described: dict[str, Any] = {"records": {view.names[pos]: records[pos] for pos in owned}}
             if view.rank == 0:
-                described["zero_meta"] = _rank0_metadata(view, unsharded, buffer_names)
+                by_name = {view.names[pos]: record for pos, record in records.items()}
+                described["zero_meta"] = _rank0_metadata(view, by_name, unsharded, buffer_names)
             return described
 
         return Staged(buffers, extras, manifest, copied, self._free[i].set, describe, self._files, data)
@@ -188,11 +191,13 @@ def _rank0_extras(
     return unsharded, buffer_names, extras
 
 
-def _rank0_metadata(view: ShardView, unsharded: dict[str, torch.Tensor], buffer_names: set[str]) -> dict[str, Any]:
-    """The checkpoint metadata as rank 0 knows it (file sizes and other owners' records are filled
-    in at restore): the persistent buffers (``buffer_names``) are stored, the rest of ``unsharded``
-    is left to the model."""
-    meta = checkpoint_metadata(view, {}, unsharded, [0] * view.world_size, None)
+def _rank0_metadata(
+    view: ShardView, records: dict[str, Any], unsharded: dict[str, torch.Tensor], buffer_names: set[str]
+) -> dict[str, Any]:
+    """The checkpoint metadata as rank 0 knows it, from its view's state ``records`` of every param
+    (file sizes and other owners' records are filled in at restore): the persistent buffers
+    (``buffer_names``) are stored, the rest of ``unsharded`` is left to the model."""
+    meta = checkpoint_metadata(view, records, unsharded, [0] * view.world_size, None)
     meta["extras"] = {name: meta["external"].pop(name) for name in unsharded if name in buffer_names}
     return meta
 
