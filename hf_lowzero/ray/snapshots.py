@@ -37,7 +37,7 @@ from hf_lowzero.snapshot.format import frame_of
 from hf_lowzero.snapshot.priority import lower_this_thread
 from hf_lowzero.snapshot.segments import node_folder, piece_path
 from hf_lowzero.snapshot.transfer import TIMEOUT_S, Link
-from hf_lowzero.trainer.snapshot_files import trainer_manifest
+from hf_lowzero.trainer.snapshot_files import LogCopies, trainer_manifest
 
 logger = logging.getLogger(__name__)
 _TAKERS: weakref.WeakSet[MemorySnapshots] = weakref.WeakSet()
@@ -81,6 +81,7 @@ class MemorySnapshots(TrainerCallback):
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[_InFlight] = []
         self._link: Link | None = None  # to this node's holder ([Note: one request per snapshot])
+        self._log = LogCopies()  # the trainer state's log, copied once ([Note: lists encoded once])
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._announced = False
@@ -198,7 +199,7 @@ class MemorySnapshots(TrainerCallback):
                 max_workers=1, thread_name_prefix="hf_lowzero_snapshot", initializer=lower_this_thread
             )  # [Note: background priority] in hf_lowzero/snapshot/priority.py
         staged = self._stager.stage(step)
-        fields = trainer_manifest(trainer, include_state=self.rank == 0)
+        fields = trainer_manifest(trainer, include_state=self.rank == 0, log=self._log)
         integrity = trainer.zero_optimizer.integrity
         verified, check_s = None, 0.0
         if _rollback_points(integrity):  # [Note: verified snapshots]

@@ -41,6 +41,7 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.snapshot import json_text
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.segments import read_range, take_spare, unlink
 
@@ -90,7 +91,8 @@ def read_manifest(frame: dict[str, Any], path: str | Path) -> dict[str, Any]:
 
 
 def _details(manifest: dict[str, Any]) -> bytes:
-    raw = json.dumps({key: value for key, value in manifest.items() if key not in FRAME_KEYS}).encode()
+    details = {key: value for key, value in manifest.items() if key not in FRAME_KEYS}
+    raw = json_text.dumps(details).encode()  # [Note: lists encoded once] in json_text.py
     return raw + b" " * (-len(raw) % DETAILS_ALIGN)
 
 

@@ -36,21 +36,23 @@ from transformers.training_args import ParallelMode
 
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot.format import MARKER_FILE
+from hf_lowzero.snapshot.json_text import EncodedList
 
 TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.pt"
 
 
-def trainer_manifest(trainer, include_state: bool) -> dict[str, Any]:
+def trainer_manifest(trainer, include_state: bool, log: LogCopies | None = None) -> dict[str, Any]:
     """This rank's Trainer state at the snapshot point as JSON: its RNG states and, with
-    ``include_state`` (rank 0), the trainer state and the LR scheduler's state."""
+    ``include_state`` (rank 0), the trainer state and the LR scheduler's state; ``log``: the copies
+    of the log entries earlier snapshots made (updated), or None to copy the whole log."""
     # Trainer._save_rng_state keeps every GPU's CUDA RNG state when the run is distributed (a
     # process group, even of one rank: an elastic Ray run at its minimum), the current GPU's
     # otherwise; its loader reads the same layout back.
     distributed = trainer.args.parallel_mode == ParallelMode.DISTRIBUTED
     manifest: dict[str, Any] = {"rng": rng_to_json(cuda_all=distributed)}
     if include_state:
-        manifest["trainer_state"] = _trainer_state_json(trainer)
+        manifest["trainer_state"] = _trainer_state_json(trainer, log if log is not None else LogCopies())
         manifest["scheduler"] = _strict_json(trainer.lr_scheduler.state_dict(), "the LR scheduler's state_dict()")
     return manifest
 
@@ -118,11 +120,32 @@ def rng_from_json(rng: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _trainer_state_json(trainer) -> dict[str, Any]:
+class LogCopies:
+    """JSON copies of a Trainer's log entries, each entry copied and encoded once, by the first
+    snapshot that sees it ([Note: lists encoded once] in ``hf_lowzero/snapshot/json_text.py``)."""
+
+    def __init__(self) -> None:
+        self._sources: list[Any] = []  # the live entries copied so far
+        self._copies = EncodedList()
+
+    def of(self, log: list[Any]) -> EncodedList:
+        """The copy of ``log``: the entries copied before (while ``log`` starts with the same entry
+        objects: the Trainer appends) and copies of the new ones."""
+        n = len(self._sources)
+        if len(log) < n or any(a is not b for a, b in zip(self._sources, log)):  # another log (a resume)
+            n, self._sources, self._copies = 0, [], EncodedList()
+        new = log[n:]
+        self._copies.extend_encoded(_strict_json(new, "the trainer state's log"))
+        self._sources.extend(new)
+        return self._copies.copy_encoded()  # the next snapshot extends this one's list
+
+
+def _trainer_state_json(trainer, log: LogCopies) -> dict[str, Any]:
     # What _save_checkpoint writes: the state with every ExportableState callback's state, without
     # changing the live state (a checkpoint appends to list-valued entries). The fields are taken as
     # they are (``dataclasses.asdict`` deep-copies the log entry by entry, most of a snapshot's stop
-    # on the main job); the JSON round trip below is the copy.
+    # on the main job); the JSON round trip below is the copy, and the log's entries are copied
+    # once each (``log``).
     state = {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(trainer.state)}
     stateful = state["stateful_callbacks"] = dict(state.get("stateful_callbacks") or {})
     for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
@@ -131,7 +154,8 @@ def _trainer_state_json(trainer) -> dict[str, Any]:
             stateful[name] = stateful[name] + [cb.state()]
         else:
             stateful[name] = cb.state()
-    return _strict_json(state, "the trainer state")
+    copied = _strict_json({k: v for k, v in state.items() if k != "log_history"}, "the trainer state")
+    return {k: log.of(state["log_history"]) if k == "log_history" else copied[k] for k in state}
 
 
 def _strict_json(value: Any, what: str) -> Any:
