@@ -211,6 +211,23 @@ def test_spare_files_are_written_over_and_give_the_same_bytes(tmp_path):
     assert [p.name.split("-")[1] for p in folder.glob("spare-*")] == [str(size + 1)]  # the other size stays
 
 
+def test_spares_are_limited_per_size_and_sizes_no_piece_has_are_dropped(tmp_path):
+    # [Note: spare files]: rank 0's piece grows with the trainer state's log. The spares of its old
+    # size must neither use up the room of the sizes still written nor stay once no piece has it.
+    from hf_lowzero.snapshot import segments
+
+    for name, size in [("old-rank0", 811), ("old-rank0-again", 811), ("rank1", 794), ("rank1-again", 794)]:
+        (tmp_path / name).write_bytes(b"\xab" * size)
+    segments.recycle(tmp_path / "old-rank0", keep_at_most=1)
+    segments.recycle(tmp_path / "old-rank0-again", keep_at_most=1)  # one spare of 811 is enough: removed
+    segments.recycle(tmp_path / "rank1", keep_at_most=1)  # the 811 spare leaves room for a 794 one
+    assert not (tmp_path / "old-rank0-again").exists() and not (tmp_path / "rank1").exists()
+    assert sorted(p.name.split("-")[1] for p in tmp_path.glob("spare-*")) == ["794", "811"]
+    segments.drop_spares(tmp_path, {794, 843})  # the pieces held now: no 811 any more
+    assert [p.name.split("-")[1] for p in tmp_path.glob("spare-*")] == ["794"]
+    assert (tmp_path / "rank1-again").stat().st_size == 794  # not a spare: left alone
+
+
 def test_the_receiver_writes_over_a_spare_of_the_pieces_size(tmp_path):
     manifest_json, path = _piece(tmp_path)
     folder = tmp_path / "buddy"

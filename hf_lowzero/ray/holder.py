@@ -63,6 +63,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,7 +266,7 @@ class SnapshotHolder:
 
     def _mark_many(self, step: int, ranks: list[int], world_size: int, verified: bool | None = None) -> None:
         """``mark`` for several ranks at once (a node's holder batches its ranks' marks)."""
-        dropped = []
+        dropped, held = [], Counter()
         with self._lock:
             self._marks.setdefault(step, set()).update(ranks)
             self._worlds[step] = world_size
@@ -275,13 +276,16 @@ class SnapshotHolder:
                 if verified is not False:  # a rollback point: older snapshots are no longer needed
                     self._kept = step
                 keep = self._kept if self._kept is not None else step
-                dropped = [path for key, (_, path) in self._pieces.items() if key[0] < keep]
+                dropped = [(path, _size(m)) for key, (m, path) in self._pieces.items() if key[0] < keep]
                 self._pieces = {key: v for key, v in self._pieces.items() if key[0] >= keep}
+                held = Counter(_size(m) for m, _ in self._pieces.values())
                 self._marks = {s: m for s, m in self._marks.items() if s >= keep}
                 self._worlds = {s: w for s, w in self._worlds.items() if s >= keep}
                 self._verified = {s: v for s, v in self._verified.items() if s >= keep}
-        for path in dropped:
-            segments.recycle(path, keep_at_most=len(self._pieces))  # [Note: spare files] in segments.py
+        for path, size in dropped:  # [Note: spare files] in segments.py: as many as the pieces of a size held
+            segments.recycle(path, keep_at_most=held[size])
+        if dropped:
+            segments.drop_spares(self.folder, set(held))
 
     def index(self) -> dict[str, Any]:
         """What this holder knows: per step, the world size, the ranks that marked it, the ranks

@@ -23,9 +23,13 @@ Example::
 # [Note: spare files]
 # A new file in memory costs more than the bytes written into it: the kernel finds, zeroes and maps
 # a page for every 4 KiB on first touch, about as much CPU again as the copy. So a file whose piece
-# is no longer kept becomes a spare (``spare-<size>-<id>``, at most as many as the pieces the holder
-# keeps) and the next piece of that size (the same rank's next snapshot, or the next copy from the
-# buddy node) is written over it: its pages are already there. A spare is never read.
+# is no longer kept becomes a spare (``spare-<size>-<id>``) and the next piece of that size (the same
+# rank's next snapshot, or the next copy from the buddy node) is written over it: its pages are
+# already there. A spare is never read. A node keeps at most as many spares of a size as it holds
+# pieces of that size, and none of a size it holds no piece of: rank 0's piece grows with the
+# trainer state's log, and the spares of its old size, counted against one limit for all sizes,
+# had left no room for the sizes still written (each copy then went into a new file: new pages,
+# and a new mapping of them).
 """
 
 from __future__ import annotations
@@ -67,15 +71,24 @@ def piece_path(folder: Path, step: int, rank: int, copy: bool = False) -> Path:
 
 def recycle(path: str | Path, keep_at_most: int) -> None:
     """The piece in ``path`` is no longer kept: keep its file as a spare of its size for the next
-    piece ([Note: spare files]), or remove it when its folder already has ``keep_at_most`` spares."""
+    piece ([Note: spare files]), or remove it when its folder already has ``keep_at_most`` spares
+    of its size."""
     path = Path(path)
     try:
         size = path.stat().st_size
-        if size == 0 or len(list(path.parent.glob("spare-*"))) >= keep_at_most:
+        if size == 0 or len(list(path.parent.glob(f"spare-{size}-*"))) >= keep_at_most:
             raise FileNotFoundError
         os.rename(path, path.with_name(f"spare-{size}-{uuid.uuid4().hex}"))
     except FileNotFoundError:
         unlink(path)
+
+
+def drop_spares(folder: str | Path, sizes: set[int]) -> None:
+    """Remove the spare files in ``folder`` of sizes other than ``sizes`` ([Note: spare files])."""
+    for spare in Path(folder).glob("spare-*"):
+        size = spare.name.split("-")[1]
+        if not size.isdigit() or int(size) not in sizes:
+            unlink(spare)
 
 
 def take_spare(folder: str | Path, size: int, target: str | Path) -> bool:
