@@ -77,6 +77,26 @@ def test_a_piece_lands_byte_for_byte_and_checks_out(tmp_path, buddy):
     assert sorted(p.name for p in buddy.folder.iterdir()) == [copy.name]  # no .part left
 
 
+def test_a_pieces_follow_up_is_answered_only_once_the_piece_landed(tmp_path, buddy):
+    # A holder's copy carries the buddy's mark ([Note: one request per snapshot] in holder.py): the
+    # follow-up runs after the piece is whole and checked, its answer (or failure) is the send's,
+    # and a piece that did not land runs none.
+    manifest_json, path = _piece(tmp_path)
+    manifest = json.loads(manifest_json)
+    link = Link(buddy.receiver.address)
+    try:
+        assert link.send_piece(manifest, path, then={"op": "echo", "value": 3}) is None
+        assert [op for op, _ in buddy.requests] == ["echo"] and len(buddy.kept) == 1
+        assert "a handler that fails" in link.send_piece(manifest, path, then={"op": "fail"})
+        assert "another piece" in link.send_piece(manifest, path, then={"op": "piece", "manifest": manifest})
+        wrong = {**manifest, "parts": {**manifest["parts"], "shard": [0, 9]}}  # lands, then fails its check
+        assert link.send_piece(wrong, path, then={"op": "echo", "value": 4}) is not None
+        assert [op for op, _ in buddy.requests] == ["echo"]  # the follow-up of a piece that did not land never ran
+        assert link.send_piece(manifest, path) is None  # the connection is still in step
+    finally:
+        link.close()
+
+
 def test_two_senders_at_once_each_land_their_own(tmp_path, buddy):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -20,13 +20,14 @@ Example (inside a Ray Train worker)::
 # for the run ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``): ``land``, with the
 # path of the file it wrote its piece into. The holder checks the piece's structure (headers only),
 # keeps the file (a reference: no copy), sends the file to the buddy node's holder on its
-# connection to it (the kernels copy it once on each node) and then marks the step on every
-# holder of the run. Nothing of it is a Ray call: a Ray call costs milliseconds of CPU on each
-# side, on the cores that train; Ray only tells a holder where the others listen (``address``),
-# once. A holder's marks are batched: the ranks of a node that land together are marked with one
-# request per holder, sent to all of them before any answer is read. ``land`` is answered when
-# the marks are delivered, so the rank's background thread knows that its piece is complete, or
-# what went wrong.
+# connection to it (the kernels copy it once on each node), which marks the step as the copy
+# lands (both pieces are whole then: the mark rides on the copy's request), and then marks the
+# step here and on every other holder of the run (none when the run has two nodes). Nothing of it
+# is a Ray call: a Ray call costs milliseconds of CPU on each side, on the cores that train; Ray
+# only tells a holder where the others listen (``address``), once. A holder's marks for other
+# holders are batched: the ranks of a node that land together are marked with one request per
+# holder, sent to all of them before any answer is read. ``land`` is answered when the marks are
+# delivered, so the rank's background thread knows that its piece is complete, or what went wrong.
 
 # [Note: complete snapshot]
 # Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
@@ -156,30 +157,42 @@ class SnapshotHolder:
         None) and where the time went: ``send_s`` (the copy to the buddy node) and ``mark_s``.
         """
         manifest, path, buddy_node = request["manifest"], request["path"], request.get("buddy")
+        marks, verified = request.get("mark", True), request.get("verified")
         start = time.perf_counter()
         error = piece_file_error(manifest, path)
         if error is None and self._keep(manifest, path) and buddy_node is not None:
-            error = self._send_copy(buddy_node, manifest, path)
+            then = None
+            if marks:  # the buddy marks the step as the copy lands: both pieces are whole then
+                then = {"op": "mark", "step": manifest["step"], "ranks": [manifest["rank"]],
+                        "world_size": manifest["world_size"], "verified": verified}  # fmt: skip
+            error = self._send_copy(buddy_node, manifest, path, then)
         sent = time.perf_counter()
         if error is not None:
             segments.unlink(path)
-        elif request.get("mark", True):
-            nodes = tuple(dict.fromkeys(request["nodes"]))
-            mark = _Mark(manifest["step"], manifest["rank"], manifest["world_size"], request.get("verified"), nodes)
-            self._to_mark.put(mark)
-            mark.done.wait()
-            error = mark.error
+        elif marks:
+            nodes = tuple(n for n in dict.fromkeys(request["nodes"]) if n != buddy_node)  # the buddy marked
+            if all(n == self.node_id for n in nodes):  # no other holder to tell: no thread to wake
+                self._mark_many(manifest["step"], [manifest["rank"]], manifest["world_size"], verified)
+            else:
+                mark = _Mark(manifest["step"], manifest["rank"], manifest["world_size"], verified, nodes)
+                self._to_mark.put(mark)
+                mark.done.wait()
+                error = mark.error
         return {"error": error, "send_s": sent - start, "mark_s": time.perf_counter() - sent}
 
-    def _send_copy(self, node: str, manifest: dict[str, Any], path: str) -> str | None:
-        """Send the piece in ``path`` to ``node``'s holder; returns what went wrong, or None."""
+    def _send_copy(
+        self, node: str, manifest: dict[str, Any], path: str, then: dict[str, Any] | None = None
+    ) -> str | None:
+        """Send the piece in ``path`` to ``node``'s holder, with ``then`` (its marks, or None);
+        returns what went wrong, or None.
+        """
         try:
             link = self._link(node, "pieces")
         except (ValueError, OSError, ray.exceptions.RayError) as e:
             self._forget(node)
             return f"the buddy node's holder is gone or cannot be reached ({e})"
         try:
-            return link.send_piece(manifest, path)  # [Note: piece transfer]
+            return link.send_piece(manifest, path, then)  # [Note: piece transfer]
         except OSError as e:
             self._forget(node)
             return (

@@ -25,7 +25,9 @@ Example::
 # the kernel reads the file into the socket, no pass in Python), which the endpoint receives into
 # ``<destination>.part`` mapped in memory, renames (a file under its final name is always whole)
 # and hands to ``landed(manifest, path)``, whose error (the piece is removed) or None is the second
-# answer. One copy of the bytes on each node. A connection that breaks mid-request is closed (its
+# answer. A piece request may carry a follow-up request (``then``: a holder's ``mark``), which the
+# endpoint answers in that second answer once the piece landed: one request less per piece. One
+# copy of the bytes on each node. A connection that breaks mid-request is closed (its
 # stream is no longer in step); the next request opens a new one.
 # The secret is made per endpoint and handed out only through its holder (a Ray call): a process
 # that cannot call the holder cannot write into the node's memory.
@@ -134,7 +136,13 @@ class Endpoint:
         op = request.get("op")
         try:
             if op == "piece":
-                return {"error": self._land(conn, request["manifest"], int(request["size"]))}
+                error = self._land(conn, request["manifest"], int(request["size"]))
+                then = request.get("then")
+                if error is None and then is not None:  # the follow-up, once the piece landed
+                    if then.get("op") == "piece":
+                        return {"error": "a piece's follow-up cannot be another piece"}
+                    return self._answer(conn, then)
+                return {"error": error}
             if op in self._handlers:
                 return self._handlers[op](request)
             return {"error": f"this holder does not know the request {op!r}"}
@@ -207,14 +215,16 @@ class Link:
                 self._break()
                 raise
 
-    def send_piece(self, manifest: dict[str, Any], path: str | Path) -> str | None:
-        """Send the piece in file ``path`` ([Note: piece transfer]). Returns None when it landed
-        there, else what went wrong (the endpoint refused it or found it wrong)."""
+    def send_piece(self, manifest: dict[str, Any], path: str | Path, then: dict[str, Any] | None = None) -> str | None:
+        """Send the piece in file ``path`` ([Note: piece transfer]), and ``then`` (a request the
+        endpoint answers once the piece landed, or None). Returns None when it landed there (and
+        ``then`` succeeded), else what went wrong (the endpoint refused the piece, found it wrong,
+        or ``then`` failed)."""
         with self._lock, open(path, "rb") as f:
             conn = self._open()
             try:
                 size = os.fstat(f.fileno()).st_size
-                _write_header(conn, {"op": "piece", "manifest": manifest, "size": size})
+                _write_header(conn, {"op": "piece", "manifest": manifest, "size": size, "then": then})
                 refused = _answer(conn).get("error")  # whether to send the bytes
                 if refused is not None:
                     return refused
