@@ -20,7 +20,7 @@ def _entry(step: int) -> dict:
 
 def test_a_manifest_with_encoded_lists_is_json_dumps_of_the_same_values():
     log = EncodedList()
-    log.extend_encoded([_entry(i) for i in range(3)])
+    log.extend_copied([_entry(i) for i in range(3)])
     empty = EncodedList()
     manifest = {
         "step": 3,
@@ -47,3 +47,4 @@ def test_log_copies_copy_each_entry_once_and_equal_the_whole_round_trip():
     assert copies.of(other).text == json.dumps(other)
     with pytest.raises(ValueError, match="the trainer state's log is not JSON"):
         copies.of([*other, {"loss": math.nan, "bad": object()}])
+    assert copies.of(other).text == json.dumps(other)  # the failed entry left nothing behind

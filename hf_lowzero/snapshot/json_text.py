@@ -3,7 +3,7 @@
 Example::
 
     log = EncodedList()
-    log.extend_encoded(new_entries)                   # each entry encoded once, as it arrives
+    log.extend_copied(new_entries)                    # each entry copied and encoded once, as it arrives
     dumps({"trainer_state": {"log_history": log}})    # == json.dumps(...), without encoding log again
 
 # [Note: lists encoded once]
@@ -32,10 +32,12 @@ class EncodedList(list):
         super().__init__()
         self._texts: list[str] = []
 
-    def extend_encoded(self, values: list[Any]) -> None:
-        """Append ``values`` (JSON values, not changed afterwards), and their JSON text."""
-        self.extend(values)
-        self._texts.extend(json.dumps(v) for v in values)
+    def extend_copied(self, values: list[Any]) -> None:
+        """Append JSON copies of ``values`` and their JSON text, each value encoded once; nothing is
+        appended when one is not JSON (``TypeError`` or ``ValueError``)."""
+        texts = [json.dumps(v) for v in values]
+        self.extend(json.loads(t) for t in texts)
+        self._texts.extend(texts)
 
     def copy_encoded(self) -> EncodedList:
         """A new list of the same entries and texts (shared, not copied)."""

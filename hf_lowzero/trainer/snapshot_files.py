@@ -135,7 +135,10 @@ class LogCopies:
         if len(log) < n or any(a is not b for a, b in zip(self._sources, log)):  # another log (a resume)
             n, self._sources, self._copies = 0, [], EncodedList()
         new = log[n:]
-        self._copies.extend_encoded(_strict_json(new, "the trainer state's log"))
+        try:
+            self._copies.extend_copied(new)  # the copy and the text, one encoding
+        except (TypeError, ValueError) as e:
+            raise _not_json("the trainer state's log", e) from e
         self._sources.extend(new)
         return self._copies.copy_encoded()  # the next snapshot extends this one's list
 
@@ -162,10 +165,14 @@ def _strict_json(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"{what} is not JSON ({e}); memory snapshots hold JSON and tensors only. Use a scheduler whose "
-            "state_dict() is plain numbers and lists, or turn snapshots off (snapshot_every=None)"
-        ) from e
+        raise _not_json(what, e) from e
+
+
+def _not_json(what: str, error: Exception) -> ValueError:
+    return ValueError(
+        f"{what} is not JSON ({error}); memory snapshots hold JSON and tensors only. Use a scheduler whose "
+        "state_dict() is plain numbers and lists, or turn snapshots off (snapshot_every=None)"
+    )
 
 
 def _b64(t: torch.Tensor) -> str:
