@@ -152,11 +152,12 @@ def shard_records(view: ShardView) -> dict[str, Any]:
     rank that can describe them; row-shard params: every rank holds the same kind of state, and rank
     0 describes it in the metadata).
     """
-    return {
-        name: state_record(view, pos)
-        for pos, name in enumerate(view.names)
-        if view.shards[pos].whole and view.shards[pos].owned_numel(view.rank)
-    }
+    return {view.names[pos]: state_record(view, pos) for pos in owned_whole(view)}
+
+
+def owned_whole(view: ShardView) -> list[int]:
+    """The positions of the whole params this rank owns (the params ``shard_records`` describes)."""
+    return [pos for pos, shard in enumerate(view.shards) if shard.whole and shard.owned_numel(view.rank)]
 
 
 def state_record(view: ShardView, pos: int) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_lowzero.checkpoint.layout import extra_key
-from hf_lowzero.checkpoint.save import checkpoint_metadata
+from hf_lowzero.checkpoint.save import checkpoint_metadata, owned_whole
 from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
 from hf_lowzero.snapshot.copy_plan import CopyPlan
 from hf_lowzero.snapshot.format import Piece, encode_piece, file_layout, write_piece
@@ -141,7 +141,7 @@ class ShardStager:
         unsharded, buffer_names, extras = _rank0_extras(view, self.opt.model) if view.rank == 0 else ({}, set(), {})
 
         def describe() -> dict[str, Any]:  # the plan's records ([Note: copy plan] in copy_plan.py)
-            owned = [pos for pos, shard in enumerate(view.shards) if shard.whole and shard.owned_numel(view.rank)]
+            owned = owned_whole(view)  # the params shard_records describes
             records = plan.records(view, list(range(len(view.names))) if view.rank == 0 else owned)
             described: dict[str, Any] = {"records": {view.names[pos]: records[pos] for pos in owned}}
             if view.rank == 0:
