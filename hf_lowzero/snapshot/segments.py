@@ -73,20 +73,20 @@ def recycle(path: str | Path, keep_at_most: int) -> None:
     """The piece in ``path`` is no longer kept: keep its file as a spare of its size for the next
     piece ([Note: spare files]), or remove it when its folder already has ``keep_at_most`` spares
     of its size."""
-    path = Path(path)
+    folder = os.path.dirname(path)
     try:
-        size = path.stat().st_size
-        if size == 0 or len(list(path.parent.glob(f"spare-{size}-*"))) >= keep_at_most:
+        size = os.stat(path).st_size
+        if size == 0 or len(_spares(folder, f"spare-{size}-")) >= keep_at_most:
             raise FileNotFoundError
-        os.rename(path, path.with_name(f"spare-{size}-{uuid.uuid4().hex}"))
+        os.rename(path, os.path.join(folder, f"spare-{size}-{uuid.uuid4().hex}"))
     except FileNotFoundError:
         unlink(path)
 
 
 def drop_spares(folder: str | Path, sizes: set[int]) -> None:
     """Remove the spare files in ``folder`` of sizes other than ``sizes`` ([Note: spare files])."""
-    for spare in Path(folder).glob("spare-*"):
-        size = spare.name.split("-")[1]
+    for spare in _spares(folder, "spare-"):
+        size = os.path.basename(spare).split("-")[1]
         if not size.isdigit() or int(size) not in sizes:
             unlink(spare)
 
@@ -94,13 +94,22 @@ def drop_spares(folder: str | Path, sizes: set[int]) -> None:
 def take_spare(folder: str | Path, size: int, target: str | Path) -> bool:
     """Move a spare file of ``size`` bytes in ``folder`` to ``target`` (True), or find none (False).
     Another process may take the same spare first: ``rename`` gives it to one of them."""
-    for spare in Path(folder).glob(f"spare-{size}-*"):
+    for spare in _spares(folder, f"spare-{size}-"):
         try:
             os.rename(spare, target)
             return True
         except FileNotFoundError:
             continue
     return False
+
+
+def _spares(folder: str | Path, prefix: str) -> list[str]:
+    """The paths of the files in ``folder`` whose names start with ``prefix`` (a listing, no
+    pattern matching: a snapshot lists its folder several times)."""
+    try:
+        return [os.path.join(folder, name) for name in os.listdir(folder) if name.startswith(prefix)]
+    except FileNotFoundError:
+        return []
 
 
 def read_range(path: str | Path, start: int, end: int) -> bytes:
