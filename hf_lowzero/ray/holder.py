@@ -22,7 +22,9 @@ Example (inside a Ray Train worker)::
 # keeps the file (a reference: no copy), sends the file to the buddy node's holder on its
 # connection to it (the kernels copy it once on each node), which marks the step as the copy
 # lands (both pieces are whole then: the mark rides on the copy's request), and then marks the
-# step here and on every other holder of the run (none when the run has two nodes). Nothing of it
+# step here and on every other holder of the run (none when the run has two nodes). The buddy does
+# not read the copy's headers again: they are the bytes the own holder checked, whole (TCP, and
+# the length the manifest says), and every chunk's checksum is checked at a restore. Nothing of it
 # is a Ray call: a Ray call costs milliseconds of CPU on each side, on the cores that train; Ray
 # only tells a holder where the others listen (``address``), once. A holder's marks for other
 # holders are batched: the ranks of a node that land together are marked with one request per
@@ -31,7 +33,8 @@ Example (inside a Ray Train worker)::
 
 # [Note: complete snapshot]
 # Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
-# node) landed whole: the holder checked the format, the length and every tensor's extent. S is
+# node) landed whole: the own holder checked the format, the length and every tensor's extent,
+# and the buddy's copy has those bytes. S is
 # complete when every rank of S marked it; only a complete snapshot is ever restored, so a failure
 # while a snapshot is being taken (a torn snapshot) resumes the previous one. Every chunk's checksum
 # is checked when a restore fetches the pieces, before any is used: one pass per restore instead of
@@ -229,11 +232,11 @@ class SnapshotHolder:
         return segments.piece_path(self.folder, step, rank, copy=True)
 
     def _landed_copy(self, manifest: dict[str, Any], path: Path) -> str | None:
-        """A piece from another node's holder is whole in ``path``: check its structure, keep it."""
-        error = piece_file_error(manifest, path)
-        if error is None:
-            self._keep(manifest, str(path))
-        return error  # the receiver removes a piece that does not check out
+        """A piece from another node's holder is whole in ``path``: keep it. Its structure is not
+        read again ([Note: one request per snapshot]): the sending holder checked these bytes.
+        """
+        self._keep(manifest, str(path))
+        return None
 
     def _handle(self, node: str):
         """The run's holder on ``node`` (looked up once; ValueError: there is none)."""
