@@ -322,6 +322,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--paired", action="store_true", help="fixed intervals: blocks with and without snapshots in turn in each run"
     )
+    p.add_argument("--models", default="gpt2,main job", help="comma-separated: gpt2, main job")
     p.add_argument("--out", default="recovery", help="results/OUT.{md,json,png}")
     p.add_argument("--one-run", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -331,6 +332,9 @@ def main(argv=None) -> None:
     settings = [s if s in ("off", "auto") else int(s) for s in a.settings.split(",")]
     if settings[0] != "off":
         p.error("--settings must start with off (the baseline)")
+    chosen = [m.strip() for m in a.models.split(",")]
+    if not chosen or any(m not in ("gpt2", "main job") for m in chosen):
+        p.error(f"--models {a.models!r}: expected a comma-separated list of gpt2 and main job")
     work = Path(tempfile.mkdtemp(prefix="hf_lowzero_recovery_"))
     model = gpt2(a.n_layer, a.n_embd, vocab=a.vocab, dropout=0.0)
     params = sum(t.numel() for t in model.parameters())
@@ -358,6 +362,7 @@ def main(argv=None) -> None:
         # ray_jobs/finetune.py's model and batch; its steps are short, so its runs are longer
         "main job": {"settings": MAIN_JOB_SETTINGS, "config": base, "steps": a.main_job_steps, "block": 40},
     }
+    models = {name: spec for name, spec in models.items() if ("main job" if name == "main job" else "gpt2") in chosen}
     try:
         use_code(cluster, root)
         overhead, raw = overhead_rows(a, models, codes, cluster, work)
@@ -378,13 +383,14 @@ def main(argv=None) -> None:
         f"`python benchmarks/recovery.py --rounds {a.rounds} --overhead-steps {a.overhead_steps} "
         f"--main-job-steps {a.main_job_steps} "
         f"--settings {a.settings}{' --paired' if a.paired else ''}"
+        f"{f' --models {chr(34)}{a.models}{chr(34)}' if set(chosen) != {'gpt2', 'main job'} else ''}"
         f"{' --before ' + a.before if a.before else ''}`. Local "
         f"multi-node Ray cluster on a 2-core CPU machine (one worker per node), 2 workers, ZeRO-2, AdamW, "
         f"GPT-2 {a.n_layer}x{a.n_embd}, vocab {a.vocab} ({params / 1e6:.1f}M params; a rank's shard of fp32 "
         f"masters and AdamW state is {shard_mib:.0f} MiB), batch 4 x 64 tokens per worker, dropout off. "
-        f"Without snapshots a step takes {raw['off_ms_per_step'][f'gpt2 {a.n_layer}x{a.n_embd}']:.0f} ms (mean "
+        f"Without snapshots a step takes {_off_ms(raw, f'gpt2 {a.n_layer}x{a.n_embd}')} (mean "
         f"over the measured steps); the main job's model (`ray_jobs/finetune.py`: a tiny GPT-2, a 0.7 MiB shard "
-        f"per rank), {raw['off_ms_per_step']['main job']:.0f} ms. code: `today` is this checkout"
+        f"per rank), {_off_ms(raw, 'main job')}. code: `today` is this checkout"
         f"{f', `before` is commit {a.before}' if a.before else ''}.\n\n"
         "## Step-time overhead against no snapshots (same round's run without them)\n\n"
         "stopped_ms_per_snapshot: how long the step loop stood still per snapshot (the copy into a host "
@@ -414,6 +420,11 @@ def main(argv=None) -> None:
         title="memory snapshots, W=2",
         ref=0.0,
     )
+
+
+def _off_ms(raw: dict, model: str) -> str:
+    ms = raw["off_ms_per_step"].get(model)
+    return "(not measured)" if ms is None else f"{ms:.0f} ms"
 
 
 if __name__ == "__main__":
