@@ -50,12 +50,12 @@ import torch
 
 from hf_lowzero.checkpoint.layout import extra_key
 from hf_lowzero.checkpoint.save import checkpoint_metadata, owned_whole
-from hf_lowzero.checkpoint.shards import ShardView, unsharded_state
+from hf_lowzero.checkpoint.shards import ShardView
 from hf_lowzero.snapshot.copy_plan import CopyPlan
 from hf_lowzero.snapshot.format import Piece, encode_piece, file_layout, write_piece
 from hf_lowzero.snapshot.mapped import MappedFiles
+from hf_lowzero.snapshot.model_extras import ModelExtras
 from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.params import canonical_name
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
@@ -113,6 +113,7 @@ class ShardStager:
         self._buffers: list[tuple[dict[str, torch.Tensor], torch.Tensor | None] | None] = [None, None]
         self._planned: list[CopyPlan | None] = [None, None]  # the plan each buffer was laid out for
         self._plan: CopyPlan | None = None  # the last stop's ([Note: copy plan] in copy_plan.py)
+        self._extras: ModelExtras | None = None  # rank 0's ([Note: model extras] in model_extras.py)
         self._free = [threading.Event(), threading.Event()]
         for free in self._free:
             free.set()
@@ -138,7 +139,7 @@ class ShardStager:
         copied = self._copy(tensors, buffers)
         _freeze_scalars(view, plan.scalars)
         manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size}
-        unsharded, buffer_names, extras = _rank0_extras(view, self.opt.model) if view.rank == 0 else ({}, set(), {})
+        unsharded, buffer_names, extras = self._rank0_extras(view) if view.rank == 0 else ({}, set(), {})
 
         def describe() -> dict[str, Any]:  # the plan's records ([Note: copy plan] in copy_plan.py)
             owned = owned_whole(view)  # the params shard_records describes
@@ -155,8 +156,19 @@ class ShardStager:
         """Wait for the buffers' encoders and drop the buffers and the kept mappings."""
         for free in self._free:
             free.wait()
-        self._buffers, self._planned, self._plan = [None, None], [None, None], None
+        self._buffers, self._planned, self._plan, self._extras = [None, None], [None, None], None, None
         self._files.close()
+
+    def _rank0_extras(self, view: ShardView) -> tuple[dict[str, torch.Tensor], frozenset[str], dict[str, torch.Tensor]]:
+        """The model state the optimizer does not shard (by name), the names of the persistent
+        buffers among it, and copies of those buffers, which rank 0's piece stores (frozen params
+        are left to the model)."""
+        model = self.opt.model
+        if self._extras is None or not self._extras.fits(model):  # [Note: model extras] in model_extras.py
+            self._extras = ModelExtras.of(model, view.params, view.names)
+        unsharded, buffer_names = self._extras.unsharded(), self._extras.buffer_names
+        extras = {extra_key(name): t.detach().cpu().clone() for name, t in unsharded.items() if name in buffer_names}
+        return unsharded, buffer_names, extras
 
     def _copy(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
         """Copy ``tensors`` into ``buffers``: on CUDA on a side stream (returns the copy's event),
@@ -177,18 +189,6 @@ class ShardStager:
         copied = dev.record_event(self._stream)
         self.opt.register_shard_reader(copied)  # the next writer of these tensors waits for the copy
         return copied
-
-
-def _rank0_extras(
-    view: ShardView, model: torch.nn.Module
-) -> tuple[dict[str, torch.Tensor], set[str], dict[str, torch.Tensor]]:
-    """The model state the optimizer does not shard (by name), the names of the persistent buffers
-    among it, and copies of those buffers, which rank 0's piece stores (frozen params are left to
-    the model)."""
-    unsharded = unsharded_state(model, view.params, view.names)
-    buffer_names = {canonical_name(name) for name, _ in model.named_buffers()} & set(unsharded)
-    extras = {extra_key(name): t.detach().cpu().clone() for name, t in unsharded.items() if name in buffer_names}
-    return unsharded, buffer_names, extras
 
 
 def _rank0_metadata(
