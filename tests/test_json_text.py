@@ -43,6 +43,8 @@ def test_log_copies_copy_each_entry_once_and_equal_the_whole_round_trip():
         seen.append(copy)
     assert seen[1] == json.loads(json.dumps(log[:2]))  # an earlier snapshot's copy did not grow
     assert seen[4][0] is seen[2][0]  # copied once, shared by the snapshots
+    replaced = [*log[:4], _entry(40), _entry(5)]  # the same first entry, another where the copy ended
+    assert copies.of(replaced).text == json.dumps(replaced)
     other = [_entry(10), _entry(11)]  # another log (a resume): copied from its start
     assert copies.of(other).text == json.dumps(other)
     with pytest.raises(ValueError, match="the trainer state's log is not JSON"):

@@ -125,21 +125,23 @@ class LogCopies:
     snapshot that sees it ([Note: lists encoded once] in ``hf_lowzero/snapshot/json_text.py``)."""
 
     def __init__(self) -> None:
-        self._sources: list[Any] = []  # the live entries copied so far
+        self._ends: tuple[Any, Any] | None = None  # the first and the last live entry copied so far
         self._copies = EncodedList()
 
     def of(self, log: list[Any]) -> EncodedList:
-        """The copy of ``log``: the entries copied before (while ``log`` starts with the same entry
-        objects: the Trainer appends) and copies of the new ones."""
-        n = len(self._sources)
-        if len(log) < n or any(a is not b for a, b in zip(self._sources, log)):  # another log (a resume)
-            n, self._sources, self._copies = 0, [], EncodedList()
+        """The copy of ``log``: the entries copied before (while ``log`` has the same first entry
+        object and the same one where the last copy ended: the Trainer appends, and never changes
+        an entry it logged) and copies of the new ones."""
+        n, (first, last) = len(self._copies), self._ends or (None, None)
+        if n and (len(log) < n or log[0] is not first or log[n - 1] is not last):  # another log (a resume)
+            n, self._ends, self._copies = 0, None, EncodedList()
         new = log[n:]
         try:
             self._copies.extend_copied(new)  # the copy and the text, one encoding
         except (TypeError, ValueError) as e:
             raise _not_json("the trainer state's log", e) from e
-        self._sources.extend(new)
+        if log:
+            self._ends = (log[0], log[-1])
         return self._copies.copy_encoded()  # the next snapshot extends this one's list
 
 
