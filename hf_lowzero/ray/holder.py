@@ -18,13 +18,12 @@ Example (inside a Ray Train worker)::
 # [Note: one request per snapshot]
 # A snapshot costs a rank one request, on a connection to its own node's holder that stays open
 # for the run ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``): ``land``, with the
-# path of the file it wrote its piece into. The holder checks the piece's structure (headers only),
-# keeps the file (a reference: no copy), sends the file to the buddy node's holder on its
-# connection to it (the kernels copy it once on each node), which marks the step as the copy
-# lands (both pieces are whole then: the mark rides on the copy's request), and then marks the
-# step here and on every other holder of the run (none when the run has two nodes). The buddy does
-# not read the copy's headers again: they are the bytes the own holder checked, whole (TCP, and
-# the length the manifest says), and every chunk's checksum is checked at a restore. Nothing of it
+# path of the file it wrote its piece into. The holder checks the piece's frame and the file's
+# length ([Note: complete snapshot]), keeps the file (a reference: no copy), sends the file to the
+# buddy node's holder on its connection to it (the kernels copy it once on each node), which marks
+# the step as the copy lands (both pieces are whole then: the mark rides on the copy's request),
+# and then marks the step here and on every other holder of the run (none when the run has two
+# nodes). Nothing of it
 # is a Ray call: a Ray call costs milliseconds of CPU on each side, on the cores that train; Ray
 # only tells a holder where the others listen (``address``), once. A holder's marks for other
 # holders are batched: the ranks of a node that land together are marked with one request per
@@ -33,13 +32,16 @@ Example (inside a Ray Train worker)::
 
 # [Note: complete snapshot]
 # Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
-# node) landed whole: the own holder checked the format, the length and every tensor's extent,
-# and the buddy's copy has those bytes. S is
-# complete when every rank of S marked it; only a complete snapshot is ever restored, so a failure
-# while a snapshot is being taken (a torn snapshot) resumes the previous one. Every chunk's checksum
-# is checked when a restore fetches the pieces, before any is used: one pass per restore instead of
-# one per snapshot on a holder whose CPU training may need, and a piece that fails sends every rank
-# to storage together (``restore.py``), never into a restart loop. A holder keeps the newest
+# node) landed whole: the rank wrote its file before it asked (a rank that dies while writing asks
+# nothing), the own holder checked the frame (format, version) and the file's length, and the
+# buddy received exactly that many bytes. S is complete when every rank of S marked it; only a
+# complete snapshot is ever restored, so a failure while a snapshot is being taken (a torn
+# snapshot) resumes the previous one. The rest is checked when a restore fetches the pieces, before
+# any is used: every part's header, every tensor's extent and every chunk's checksum, once per
+# restore instead of once per snapshot on holders whose CPU training needs (reading the headers as
+# each piece landed, on both nodes, was a sixth of the holders' CPU per snapshot for the main job),
+# and a piece that fails sends every rank to storage together (``restore.py``), never into a
+# restart loop. A holder keeps the newest
 # complete snapshot and anything newer in progress, and drops the rest as soon as a newer one completes.
 # When the run checks its integrity, each mark says whether the step passed its checks; only those
 # snapshots are rollback points ([Note: rollback] in ``integrity.py``), so the newest complete one
@@ -78,7 +80,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.snapshot import segments
-from hf_lowzero.snapshot.format import frame_of, manifest_error, payload_error, piece_file_error, read_manifest
+from hf_lowzero.snapshot.format import frame_of, manifest_error, payload_error, piece_length_error, read_manifest
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
 from hf_lowzero.snapshot.transfer import Endpoint, Link, ask_all
@@ -162,7 +164,7 @@ class SnapshotHolder:
         manifest, path, buddy_node = request["manifest"], request["path"], request.get("buddy")
         marks, verified = request.get("mark", True), request.get("verified")
         start = time.perf_counter()
-        error = piece_file_error(manifest, path)
+        error = piece_length_error(manifest, path)  # [Note: complete snapshot]
         if error is None and self._keep(manifest, path) and buddy_node is not None:
             then = None
             if marks:  # the buddy marks the step as the copy lands: both pieces are whole then
@@ -232,8 +234,8 @@ class SnapshotHolder:
         return segments.piece_path(self.folder, step, rank, copy=True)
 
     def _landed_copy(self, manifest: dict[str, Any], path: Path) -> str | None:
-        """A piece from another node's holder is whole in ``path``: keep it. Its structure is not
-        read again ([Note: one request per snapshot]): the sending holder checked these bytes.
+        """A piece from another node's holder is whole in ``path`` (the length its frame says,
+        checked by ``_destination``): keep it ([Note: complete snapshot]).
         """
         self._keep(manifest, str(path))
         return None

@@ -320,8 +320,8 @@ def _layout(spec: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> FileL
 def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksums: bool = True) -> str | None:
     """What is wrong with a piece (its format, its length, each tensor's extent and, with
     ``checksums``, each chunk's checksum), or None. Reads the safetensors headers with ``json`` and
-    checks bytes with CRC-32: no torch, no pickle. A holder checks a piece's structure as it lands;
-    a restore checks every checksum before it uses a piece ([Note: complete snapshot])."""
+    checks bytes with CRC-32: no torch, no pickle. A holder checks a piece's frame and length as it
+    lands; a restore checks all of it before it uses a piece ([Note: complete snapshot])."""
     view = memoryview(payload)
     error = manifest_error(manifest, len(view))
     if error is not None:
@@ -342,7 +342,7 @@ def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksu
 
 def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
     """What is wrong with the structure of the piece in file ``path`` (``payload_error`` without the
-    checksums), reading only its headers: what a holder checks as a piece lands."""
+    checksums), reading only its headers."""
     path = Path(path)
     if not path.is_file():
         return f"no piece at {path}"
@@ -365,6 +365,17 @@ def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
             if error is not None:
                 return f"part {name!r}: {error}"
     return None
+
+
+def piece_length_error(manifest: dict[str, Any], path: str | Path) -> str | None:
+    """What is wrong with the piece in file ``path`` as far as its frame and its length tell (no
+    byte of it is read), or None: what a holder checks as a piece lands ([Note: complete snapshot]
+    in ``hf_lowzero/ray/holder.py``)."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return f"no piece at {path}"
+    return manifest_error(manifest, size)
 
 
 def manifest_error(manifest: dict[str, Any], size: int) -> str | None:
