@@ -6,7 +6,8 @@ between two storage checkpoints (after step KILL_AT). Each ends like the uninter
 (params, optimizer state, loss curve) and says where it resumed:
 - a killed worker process resumes from its own node's memory (no piece crosses nodes), while a
   snapshot of another run sits newer on the same node, unseen;
-- a failure while a snapshot is being taken (torn: landed, never marked) resumes the one before;
+- a failure while a snapshot is being taken (torn: landed, never marked) resumes the one before,
+  whether the stop wrote the pieces (on the host) or a background thread did (as on a GPU);
 - a killed node resumes from the buddy copies, its replacement worker on a fresh node fetching
   over the network;
 - an elastic run that loses a node goes on at 1 worker from memory, resharded 2 -> 1;
@@ -18,7 +19,9 @@ No holder outlives its run: after success, and after a run that fails for good.
 """
 
 import json
+import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -190,11 +193,35 @@ def test_a_killed_process_resumes_from_its_own_nodes_memory_unseen_by_other_runs
     assert_no_holders_left()
 
 
-def test_a_torn_snapshot_is_never_used(cluster, clean, no_dropout_model, tmp_path):
+class SnapshotWriter(TrainerCallback):
+    """Who writes the pieces: the stop ([Note: written at the stop] in ``hf_lowzero/ray/snapshots.py``)
+    or the background thread a GPU node uses; each worker records at step ``at`` whether a snapshot
+    thread runs in its process."""
+
+    def __init__(self, background: bool, record: Path, at: int) -> None:
+        self.background, self.record, self.at = background, record, at
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for taker in snapshot_takers():
+            taker.background_writes = self.background
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:  # snapshots of the steps before were taken
+            threads = [t.name for t in threading.enumerate() if t.name.startswith("hf_lowzero_snapshot")]
+            (self.record / f"rank{dist.get_rank()}-pid{os.getpid()}").write_text(json.dumps(bool(threads)))
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["written at the stop", "written in the background"])
+def test_a_torn_snapshot_is_never_used(cluster, clean, no_dropout_model, tmp_path, background):
     with_slots(cluster, 2)
     tear = InjectWorkerFailure(KILL_AT, tmp_path / "marker", during="snapshot")
-    result = build_trainer(config("torn", tmp_path, no_dropout_model), trainer_callbacks=[tear]).fit()
+    record = tmp_path / "writers"
+    record.mkdir()
+    writer = SnapshotWriter(background, record, at=KILL_AT - 1)
+    result = build_trainer(config("torn", tmp_path, no_dropout_model), trainer_callbacks=[writer, tear]).fit()
     assert (tmp_path / "marker").exists()
+    threads = {f.name: json.loads(f.read_text()) for f in record.iterdir()}
+    assert len(threads) >= 2 and set(threads.values()) == {background}, threads  # each attempt's workers
     assert (result.metrics["resumed_from"], result.metrics["resumed_from_step"]) == ("memory", KILL_AT - 1)
     assert_like_uninterrupted(result, clean)
     assert_no_holders_left()

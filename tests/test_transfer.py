@@ -200,6 +200,46 @@ def test_ask_all_answers_each_link_and_names_the_one_that_broke(tmp_path):
             b.receiver.close()
 
 
+def test_posted_requests_are_answered_in_order_when_their_answers_are_read(tmp_path):
+    # [Note: posted requests]: nothing waits at the post; each answer is read later, in the order
+    # of the posts, and one not yet come reads as None without waiting.
+    gate, never = threading.Event(), threading.Event()
+
+    def slow_echo(request):
+        if request["value"] == 2:
+            gate.wait(10)
+        if request["value"] == 6:
+            never.wait(10)
+        return {"error": None, "got": request["value"]}
+
+    receiver = Endpoint("127.0.0.1", {"echo": slow_echo})
+    link = Link(receiver.address)
+    try:
+        for value in (1, 2, 3):
+            link.post({"op": "echo", "value": value})
+        assert link.posted == 3
+        assert link.answer(wait=True) == {"error": None, "got": 1}
+        assert link.answer(wait=False) is None  # 2 waits for the gate, and 3 comes after it
+        with pytest.raises(ValueError, match="posted requests' answers are still to be read"):
+            link.request({"op": "echo", "value": 4})  # its answer would be the one of 2
+        gate.set()
+        assert [link.answer(wait=True) for _ in range(2)] == [{"error": None, "got": 2}, {"error": None, "got": 3}]
+        assert link.posted == 0
+        with pytest.raises(ValueError, match="no posted request"):
+            link.answer()
+        assert link.request({"op": "echo", "value": 5}) == {"error": None, "got": 5}  # in step again
+        link.post({"op": "echo", "value": 6})
+        link._conn.shutdown(socket.SHUT_RDWR)  # broken before its answer came
+        with pytest.raises(OSError):
+            link.answer(wait=True)
+        assert link.broken
+    finally:
+        gate.set()
+        never.set()
+        link.close()
+        receiver.close()
+
+
 def test_a_closed_receiver_is_an_os_error_for_the_sender(tmp_path, buddy):
     manifest_json, path = _piece(tmp_path)
     buddy.receiver.close()

@@ -28,7 +28,8 @@ Example (inside a Ray Train worker)::
 # only tells a holder where the others listen (``address``), once. A holder's marks for other
 # holders are batched: the ranks of a node that land together are marked with one request per
 # holder, sent to all of them before any answer is read. ``land`` is answered when the marks are
-# delivered, so the rank's background thread knows that its piece is complete, or what went wrong.
+# delivered, so the rank knows that its piece is complete, or what went wrong: it posts the request
+# and reads the answer at a later stop ([Note: posted requests] in ``transfer.py``).
 
 # [Note: complete snapshot]
 # Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy

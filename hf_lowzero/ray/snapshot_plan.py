@@ -22,8 +22,8 @@ Example::
 # the step loop was stopped for the copy, plus how much longer than that median the steps ran
 # while the snapshot was written and sent in the background (on a machine whose cores all train,
 # the background work slows them; on a GPU node it mostly does not), but no more than the time the
-# background work ran (the writer thread, the holders, the copy to the buddy node: one chain, each
-# part waiting for the one before): on a noisy machine a slow step during a snapshot is not all
+# background work ran (the holders, the copy to the buddy node, and on a GPU node the writer
+# thread: one chain, each part waiting for the one before): on a noisy machine a slow step during a snapshot is not all
 # the snapshot's doing. The interval is
 # ceil(cost / (2% of a step)), at least 1, re-decided at every later snapshot from the median cost
 # of the last 20 (one slow snapshot does not stretch the interval); ranks take the largest rank's
@@ -136,8 +136,8 @@ class SnapshotSchedule:
 
     def observe_snapshot(self, stopped_s: float, busy_step_s: list[float], background_s: float | None = None):
         """A finished snapshot: seconds the loop stopped for it, the times of the steps that ran
-        while it was in the background, and how long its background work ran (the writer thread, the
-        holders, the copy to the buddy node): the steps' excess counts up to that, no more (a noisy
+        while it was in the background, and how long its background work ran (the holders, the
+        copy to the buddy node, a GPU node's writer thread): the steps' excess counts up to that, no more (a noisy
         step is not a cost)."""
         if self._uncounted:
             self._uncounted -= 1

@@ -2,11 +2,12 @@
 
 ``prepare_trainer(trainer, snapshot_every=...)`` adds ``MemorySnapshots``; nothing else changes in
 the training function. At a snapshot step every rank copies its shard into a host buffer ([Note:
-double buffer] in ``hf_lowzero/snapshot/stager.py``) and training goes on; a background thread
-writes the piece into a file in its node's memory and makes one request to its node's holder, on a
-connection that stays open (no Ray call), which keeps the file, copies it to the buddy node's
-holder and marks the step on every holder once both landed ([Note: one request per snapshot] and
-[Note: complete snapshot] in ``holder.py``).
+double buffer] in ``hf_lowzero/snapshot/stager.py``), writes the piece into a file in its node's
+memory and posts one request to its node's holder, on a connection that stays open (no Ray call),
+and training goes on ([Note: written at the stop]; on a GPU a background thread waits for the copy
+and does the rest). The holder keeps the file, copies it to the buddy node's holder and marks the
+step on every holder once both landed ([Note: one request per snapshot] and [Note: complete
+snapshot] in ``holder.py``); its answer is read at a later stop.
 
 Example::
 
@@ -17,12 +18,14 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 import torch
@@ -48,13 +51,38 @@ class SnapshotError(RuntimeError):
     """A snapshot that did not land (a holder refused a piece, or was gone); training goes on."""
 
 
+# [Note: written at the stop]
+# On the host (the shard's tensors in host memory: CPU training) the stop writes the piece itself,
+# right after its copy: the checksums and the bytes into the piece's file, through the kept mapping
+# (about 0.5 ms for the main job's 0.7 MiB shard), and it posts the holder's request without
+# waiting for the answer ([Note: posted requests] in ``transfer.py``), which a later stop reads
+# (``_read_answers``). No thread of the training process works on the snapshot after the stop. A
+# background thread that wrote the piece and waited for the holder's answer cost training more than
+# its own CPU: it took the GIL from the training thread at moments it did not choose (after each
+# checksum call that released it, and when the answer woke it in the middle of the next step).
+# On a GPU the copy runs on a side stream while the next step runs, so a background thread waits
+# for it, writes the piece and posts the request; the stop reads the answers all the same.
+
+
 @dataclass
 class _InFlight:
     step: int
-    future: Future
+    future: Future  # done once its holder answered: where its time went (``_landed``), or why it was not kept
     stopped_s: float
     check_s: float = 0.0  # the integrity check the snapshot asked for ([Note: verified snapshots])
     busy_steps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Posted:
+    """A snapshot whose request was posted to this node's holder ([Note: posted requests] in
+    ``transfer.py``), waiting for the answer.
+    """
+
+    future: Future
+    write_s: float  # the write, in seconds
+    in_background: bool  # written by the background thread (a CUDA copy), not at the stop
+    torn: bool  # tests: not marked, and the process dies once the piece landed
 
 
 class MemorySnapshots(TrainerCallback):
@@ -74,6 +102,7 @@ class MemorySnapshots(TrainerCallback):
     def __init__(self, every: int | str = "auto") -> None:
         self.schedule = SnapshotSchedule(every)
         self.fault: tuple[int, Callable[[], None]] | None = None  # tests: (step, kill) between landing and marks
+        self.background_writes = False  # tests: write every piece in the background thread, as on a GPU
         self.snapshots_taken = 0
         self.stopped_s = 0.0  # seconds the step loop stopped for snapshots (copies and agreement)
         self.timings: deque[dict] = deque(maxlen=1000)  # the last snapshots: where their time went (``_send``)
@@ -81,6 +110,8 @@ class MemorySnapshots(TrainerCallback):
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[_InFlight] = []
         self._link: Link | None = None  # to this node's holder ([Note: one request per snapshot])
+        self._posted: deque[_Posted] = deque()  # requests on ``_link`` in order, answers to read
+        self._post_lock = threading.Lock()  # a post or an answer, and its entry in ``_posted``
         self._log = LogCopies()  # the trainer state's log, copied once ([Note: lists encoded once])
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -153,14 +184,17 @@ class MemorySnapshots(TrainerCallback):
 
     def wait(self) -> None:
         """Wait until every snapshot taken so far landed or failed."""
-        for f in list(self._in_flight):
-            f.future.exception()
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()  # the pieces it was writing are posted
+        self._read_answers(wait=True)
 
     def close(self) -> None:
         """Wait for snapshots on their way and free the host buffers."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._in_flight:
+            self._read_answers(wait=True)
             self._collect(time.perf_counter())
         if self._stager is not None:
             self._stager.close()
@@ -180,6 +214,7 @@ class MemorySnapshots(TrainerCallback):
         self._collect_finished()
 
     def _collect_finished(self) -> None:
+        self._read_answers(wait=False)
         for f in [f for f in self._in_flight if f.future.done()]:
             self._in_flight.remove(f)
             error = f.future.exception()
@@ -195,9 +230,6 @@ class MemorySnapshots(TrainerCallback):
             self.close()  # a new optimizer (model_init, a second train()): new buffers for it
         if self._stager is None:
             self._stager = ShardStager(trainer.zero_optimizer)
-            self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="hf_lowzero_snapshot", initializer=lower_this_thread
-            )  # [Note: background priority] in hf_lowzero/snapshot/priority.py
         staged = self._stager.stage(step)
         fields = trainer_manifest(trainer, include_state=self.rank == 0, log=self._log)
         integrity = trainer.zero_optimizer.integrity
@@ -205,7 +237,15 @@ class MemorySnapshots(TrainerCallback):
         if _rollback_points(integrity):  # [Note: verified snapshots]
             verified = integrity.last_verified == step  # the same on every rank
             check_s = integrity.verify_seconds / max(1, integrity.checks)  # the check this snapshot asked for
-        future = self._executor.submit(self._send, staged, fields, verified)
+        future: Future = Future()
+        if staged.copied is None and not self.background_writes:  # on the host: [Note: written at the stop]
+            self._write_and_post(staged, fields, verified, future)
+        else:  # the copy is still running on the GPU: a thread waits for it, then writes and posts
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="hf_lowzero_snapshot", initializer=lower_this_thread
+                )  # [Note: background priority] in hf_lowzero/snapshot/priority.py
+            self._executor.submit(self._write_and_post, staged, fields, verified, future, True)
         interval = self._agree(self.schedule.proposed_interval())
         changed = self.schedule.settled and interval != self.schedule.interval
         if changed and self.schedule.auto and self.schedule.cost_s:
@@ -246,37 +286,82 @@ class MemorySnapshots(TrainerCallback):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def _send(self, staged: Staged, fields: dict, verified: bool | None = None) -> dict[str, float]:
-        """Background thread: write the piece into this node's memory, then one request to this
-        node's holder, which keeps it, copies it to the buddy node and marks it ([Note: one request
-        per snapshot] in ``holder.py``); ``verified``: the step passed its integrity checks (None:
-        the run does not check). Returns where its time went, in seconds: ``write_s`` (checksums
-        and the file), ``send_s`` (the holder's copy to the buddy node), ``mark_s`` (the marks) and
-        ``chain_s``, the whole background chain, the request included.
+    def _write_and_post(
+        self, staged: Staged, fields: dict, verified: bool | None, future: Future, in_background: bool = False
+    ) -> None:
+        """Write the piece into this node's memory, then post one request to this node's holder,
+        which keeps it, copies it to the buddy node and marks it ([Note: one request per snapshot]
+        in ``holder.py``); ``verified``: the step passed its integrity checks (None: the run does not
+        check). Its answer completes ``future`` (``_read_answers``); a failure here completes it
+        now: the snapshot is lost, not the run.
         """
         start = time.perf_counter()
         step = staged.manifest["step"]
         path = piece_path(self._folder, step, self.rank)
-        manifest = staged.write(path, spares=self._folder, **fields)  # [Note: spare files] in segments.py
-        written = time.perf_counter()
+        try:
+            manifest = staged.write(path, spares=self._folder, **fields)  # [Note: spare files] in segments.py
+        except Exception as e:
+            future.set_exception(e)
+            return
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
         request = {"op": "land", "manifest": frame_of(manifest), "path": str(path), "buddy": self._buddy_node,
                    "nodes": self.nodes, "verified": verified, "mark": not torn}  # fmt: skip
-        try:
-            landed = self._own_link().request(request)
-        except (OSError, ray.exceptions.RayError) as e:
-            self._link = None  # the next snapshot asks the holder where it listens again
-            raise SnapshotError(f"this node's snapshot holder cannot be reached ({e})") from e
-        if landed["error"] is not None:
-            raise SnapshotError(f"the piece of rank {self.rank} did not land: {landed['error']}")
+        with self._post_lock:
+            try:
+                self._own_link().post(request)
+            except (OSError, ray.exceptions.RayError) as e:
+                error = SnapshotError(f"this node's snapshot holder cannot be reached ({e})")
+                self._lost_link(error)
+                future.set_exception(error)
+                return
+            self._posted.append(_Posted(future, time.perf_counter() - start, in_background, torn))
         if torn:
+            self._read_answers(wait=True)  # dies as soon as the piece landed
+
+    def _read_answers(self, wait: bool) -> None:
+        """Complete the posted snapshots whose answers came (``wait``: all of them, waiting)."""
+        while True:
+            with self._post_lock:
+                if not self._posted:
+                    return
+                try:
+                    landed = self._link.answer(wait=wait)
+                except OSError as e:
+                    self._lost_link(SnapshotError(f"this node's snapshot holder cannot be reached ({e})"))
+                    return
+                if landed is None:
+                    return
+                posted = self._posted.popleft()
+            self._landed(posted, landed)
+
+    def _landed(self, posted: _Posted, landed: dict[str, Any]) -> None:
+        """Complete a posted snapshot with its holder's answer: where its time went, in seconds:
+        ``write_s`` (checksums and the file), ``send_s`` (the holder's copy to the buddy node),
+        ``mark_s`` (the marks), and ``chain_s``, the work that ran beside training (the holder's,
+        and the write when the background thread did it).
+        """
+        if landed.get("error") is not None:
+            posted.future.set_exception(SnapshotError(f"the piece of rank {self.rank} did not land: {landed['error']}"))
+            return
+        if posted.torn:
             self.fault[1]()
-        end = time.perf_counter()
-        return {"write_s": written - start, "send_s": landed["send_s"], "mark_s": landed["mark_s"],
-                "chain_s": end - start}  # fmt: skip
+        background = landed["send_s"] + landed["mark_s"] + (posted.write_s if posted.in_background else 0.0)
+        posted.future.set_result(
+            {"write_s": posted.write_s, "send_s": landed["send_s"], "mark_s": landed["mark_s"], "chain_s": background}
+        )
+
+    def _lost_link(self, error: SnapshotError) -> None:
+        """The connection to this node's holder broke: every posted snapshot fails with ``error``,
+        and the next one asks the holder where it listens again (``_post_lock`` held).
+        """
+        while self._posted:
+            self._posted.popleft().future.set_exception(error)
+        if self._link is not None:
+            self._link.close()
+        self._link = None
 
     def _own_link(self) -> Link:
-        """The standing connection to this node's holder (background thread only)."""
+        """The standing connection to this node's holder (``_post_lock`` held)."""
         if self._link is None or self._link.broken:
             address = tuple(ray.get(self._own.address.remote(), timeout=60))
             self._link = Link(address, timeout_s=3 * TIMEOUT_S)  # the holder's own waits come first

@@ -1,7 +1,7 @@
 """Snapshot work yields the CPU to training: the background thread and the holders run niced.
 
 # [Note: background priority]
-# A snapshot's background work (a rank's writer thread; its node's holder, which sends the piece
+# A snapshot's background work (a rank's writer thread on a GPU node; its node's holder, which sends the piece
 # to the buddy node; the buddy's holder, which receives it) runs on the CPUs that train. At equal
 # priority the kernel shares a core between them, and every millisecond it takes is a millisecond
 # a training rank waits, its peers then waiting for it in the next collective. At a lower priority

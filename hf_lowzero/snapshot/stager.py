@@ -9,11 +9,12 @@ Example::
 # [Note: double buffer]
 # A snapshot stops training for one copy of this rank's rows of the fp32 masters and optimizer
 # state (12 bytes per element of its shard with AdamW), into one of two preallocated host buffers.
-# Everything slower (the checksums and the bytes of the piece, written in one pass into a file in
-# the node's memory, and the holder's call) runs in a background thread from that copy, so the
-# next step runs while the previous snapshot is still being written from the other buffer.
-# ``stage()`` waits only when both buffers are still being written (a snapshot asked for before
-# the one two snapshots back finished); the caller's timing of ``stage()`` counts it.
+# The piece is written from that copy (the checksums and the bytes, in one pass into a file in
+# the node's memory): on the host right away, by the stop ([Note: written at the stop] in
+# ``hf_lowzero/ray/snapshots.py``), and on a GPU by a background thread once the asynchronous copy
+# is done, so the next step runs while the previous snapshot is still being written from the
+# other buffer. ``stage()`` waits only when both buffers are still being written (a snapshot asked
+# for before the one two snapshots back finished); the caller's timing of ``stage()`` counts it.
 # On CUDA the copy itself is asynchronous: it runs on a side stream of the params' device into
 # pinned buffers, after the step's kernels, while the next forward and backward run; every later
 # writer of the copied tensors (the next step, a train()/eval() switch, a load) waits for it at the
@@ -23,7 +24,7 @@ Example::
 # [Note: packed staging]
 # A host buffer is one block of memory laid out as the data of the piece's safetensors file (each
 # tensor at its offset there, in safetensors' order), and the copy at the stop writes into views
-# of it. The background thread then needs no per-tensor work in torch (a view, a reshape, a numpy
+# of it. The write then needs no per-tensor work in torch (a view, a reshape, a numpy
 # array per tensor: most of the write for the main job's 84 small tensors): it checksums each
 # chunk at its known offset and copies the block into the file a megabyte at a time, each block
 # right after its checksums, while it is in cache (``FileLayout.write_data`` in ``format.py``).
@@ -35,7 +36,7 @@ Example::
 # next step changes: the tensors (copied) and the scalar state entries (``step``: single-value
 # tensors updated in place, cloned). The view's state dicts and groups are already the stop's own
 # copies (``shard_state_dict``), and shapes, dtypes and owners do not change between steps, so the
-# background thread describes the same state from the view later.
+# write describes the same state from the view later.
 """
 
 from __future__ import annotations

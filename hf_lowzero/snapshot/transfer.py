@@ -31,6 +31,14 @@ Example::
 # stream is no longer in step); the next request opens a new one.
 # The secret is made per endpoint and handed out only through its holder (a Ray call): a process
 # that cannot call the holder cannot write into the node's memory.
+
+# [Note: posted requests]
+# A rank's request to its holder is answered once the holder copied the piece to the buddy node and
+# marked it: milliseconds later, in the middle of the next step. A thread that waits for that
+# answer wakes then and takes the GIL from the training thread, on cores the training shares. A
+# request can instead be posted (``Link.post``: the frame is sent, nothing waits) and its answer
+# read later by whoever posted it (``Link.answer``), at a moment of its choosing: answers come in
+# the order of the requests on the connection, so the n-th answer belongs to the n-th post.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import json
 import mmap
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -194,6 +203,7 @@ class Link:
         host, port, secret = address
         self.address = address
         self._lock = threading.Lock()
+        self._posted = 0  # requests posted whose answers were not read yet ([Note: posted requests])
         self._conn: socket.socket | None = socket.create_connection((host, port), timeout=timeout_s)
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
@@ -204,9 +214,16 @@ class Link:
         """The connection failed or was closed: this link serves no more requests."""
         return self._conn is None
 
+    @property
+    def posted(self) -> int:
+        """How many posted requests still have an answer to read ([Note: posted requests])."""
+        return self._posted
+
     def request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Send ``request`` (``{"op": ..., ...}``) and return the endpoint's answer."""
         with self._lock:
+            if self._posted:
+                raise ValueError(f"{self._posted} posted requests' answers are still to be read on this link")
             conn = self._open()
             try:
                 _write_header(conn, request)
@@ -215,12 +232,47 @@ class Link:
                 self._break()
                 raise
 
+    def post(self, request: dict[str, Any]) -> None:
+        """Send ``request`` without waiting for its answer; ``answer()`` reads it later
+        ([Note: posted requests]).
+        """
+        with self._lock:
+            conn = self._open()
+            try:
+                _write_header(conn, request)
+            except OSError:
+                self._break()
+                raise
+            self._posted += 1
+
+    def answer(self, wait: bool = True) -> dict[str, Any] | None:
+        """The answer to the oldest posted request whose answer was not read yet; None when it has
+        not come and ``wait`` is False. ``OSError``: the connection broke (no posted request will
+        be answered).
+        """
+        with self._lock:
+            if not self._posted:
+                raise ValueError("no posted request is waiting for its answer on this link")
+            conn = self._open()
+            try:
+                if not wait and not select.select([conn], [], [], 0)[0]:
+                    return None
+                answer = _answer(conn)
+            except OSError:
+                self._break()
+                raise
+            self._posted -= 1
+            return answer
+
     def send_piece(self, manifest: dict[str, Any], path: str | Path, then: dict[str, Any] | None = None) -> str | None:
         """Send the piece in file ``path`` ([Note: piece transfer]), and ``then`` (a request the
         endpoint answers once the piece landed, or None). Returns None when it landed there (and
         ``then`` succeeded), else what went wrong (the endpoint refused the piece, found it wrong,
-        or ``then`` failed)."""
+        or ``then`` failed).
+        """
         with self._lock, open(path, "rb") as f:
+            if self._posted:
+                raise ValueError(f"{self._posted} posted requests' answers are still to be read on this link")
             conn = self._open()
             try:
                 size = os.fstat(f.fileno()).st_size
@@ -253,7 +305,8 @@ class Link:
 
 def ask_all(links: list[Link], request: dict[str, Any]) -> list[dict[str, Any] | OSError]:
     """Send ``request`` on every link, then read every answer (the endpoints work on it at the same
-    time); each link's answer, or the ``OSError`` that broke it."""
+    time); each link's answer, or the ``OSError`` that broke it.
+    """
     out: list[dict[str, Any] | OSError] = []
     waiting = []
     for i, link in enumerate(links):
