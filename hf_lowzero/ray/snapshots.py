@@ -305,6 +305,7 @@ class MemorySnapshots(TrainerCallback):
         except Exception as e:
             future.set_exception(e)
             return
+        write_s = time.perf_counter() - start
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
         request = {"op": "land", "manifest": frame_of(manifest), "path": str(path), "buddy": self._buddy_node,
                    "nodes": self.nodes, "verified": verified, "mark": not torn}  # fmt: skip
@@ -316,7 +317,7 @@ class MemorySnapshots(TrainerCallback):
                 self._lost_link(error)
                 future.set_exception(error)
                 return
-            self._posted.append(_Posted(future, time.perf_counter() - start, in_background, torn))
+            self._posted.append(_Posted(future, write_s, in_background, torn))
         if torn:
             self._read_answers(wait=True)  # dies as soon as the piece landed
 

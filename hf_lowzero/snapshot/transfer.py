@@ -222,9 +222,7 @@ class Link:
     def request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Send ``request`` (``{"op": ..., ...}``) and return the endpoint's answer."""
         with self._lock:
-            if self._posted:
-                raise ValueError(f"{self._posted} posted requests' answers are still to be read on this link")
-            conn = self._open()
+            conn = self._open(in_step=True)
             try:
                 _write_header(conn, request)
                 return _answer(conn)
@@ -271,9 +269,7 @@ class Link:
         or ``then`` failed).
         """
         with self._lock, open(path, "rb") as f:
-            if self._posted:
-                raise ValueError(f"{self._posted} posted requests' answers are still to be read on this link")
-            conn = self._open()
+            conn = self._open(in_step=True)
             try:
                 size = os.fstat(f.fileno()).st_size
                 _write_header(conn, {"op": "piece", "manifest": manifest, "size": size, "then": then})
@@ -291,7 +287,12 @@ class Link:
         with self._lock:
             self._break()
 
-    def _open(self) -> socket.socket:
+    def _open(self, in_step: bool = False) -> socket.socket:
+        """The connection; ``in_step``: the next frame read on it answers the next request sent
+        (ValueError while posted requests' answers are due: [Note: posted requests]).
+        """
+        if in_step and self._posted:
+            raise ValueError(f"{self._posted} posted requests' answers are still to be read on this link")
         if self._conn is None:
             raise OSError(f"the connection to {self.address[0]}:{self.address[1]} broke earlier")
         return self._conn
