@@ -14,7 +14,12 @@ vs foreach vs fused, on this machine's threads.
 
 GPU (world size 1, NCCL, bf16, stage 2): GPT-2 124M and a ~1.2B config: step time and peak CUDA
 memory with and without offload, against 2Ψ (bf16 params) + bucket buffers + activations; and the
-widest GPT-2 (24 layers) that fits with and without offload.
+widest GPT-2 (24 layers) that fits with and without offload. A width is probed by one step. With
+offload the host holds 16 bytes per param (fp32 masters, AdamW's two moments, fp32 gradient rows), so
+the offload search stops at the width whose host share would pass half the host's available memory:
+past that the host, not the GPU, is what runs out (and the kernel kills the process instead of
+raising), and that bound is what the row reports. Each search stops after PROBE_BUDGET_S seconds and
+says so (a probe with offload pins and steps gigabytes on the host).
 
 Writes results/offload.md, results/offload.json and results/offload.png.
 """
@@ -36,6 +41,7 @@ from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E40
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 
 ROUNDS, STEPS, WARMUP = 15, 3, 2
+PROBE_BUDGET_S = 60  # per widest-model search: each probe with offload pins and steps gigabytes on the host
 
 
 def cpu_overhead_body(rank: int, world_size: int, out: str) -> None:
@@ -133,7 +139,15 @@ def gpu_model(n_layer: int, n_embd: int, n_head: int, seq: int):
 
 
 def gpu_measure(
-    name: str, n_layer: int, n_embd: int, n_head: int, offload: bool, batch: int = 4, seq: int = 512
+    name: str,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    offload: bool,
+    batch: int = 4,
+    seq: int = 512,
+    warmup: int = WARMUP,
+    steps: int = STEPS,
 ) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -142,13 +156,13 @@ def gpu_measure(
     opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=2, offload_optimizer=offload)
     x = torch.randint(0, 50257, (batch, seq), device="cuda")
     times = []
-    for i in range(WARMUP + STEPS):
+    for i in range(warmup + steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         opt.backward(model(input_ids=x, labels=x).loss)
         opt.step()
         torch.cuda.synchronize()
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
     report = opt.memory_report()
     row = {
@@ -165,29 +179,60 @@ def gpu_measure(
     return row
 
 
-def widest_that_fits(offload: bool, n_layer: int = 24) -> int:
+def gpt2_params(n_layer: int, n_embd: int, seq: int = 256, vocab: int = 50257) -> int:
+    """GPT-2's parameter count: 12 d^2 + 13 d per block, the embeddings and the final norm."""
+    return n_layer * (12 * n_embd * n_embd + 13 * n_embd) + (vocab + seq) * n_embd + 2 * n_embd
+
+
+def host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def widest_that_fits(offload: bool, n_layer: int = 24) -> tuple[int, str]:
     """Largest n_embd (multiple of 256, 1024 to 16384) whose bf16 stage-2 step runs at W=1, by
-    bisection (a handful of probes, each a whole model built and stepped)."""
+    bisection (a handful of probes, each a whole model built and stepped once), and what bounds it:
+    the GPU's memory, or, with offload, the host's (see the module's docstring)."""
+    high = 64  # in units of 256: 1024 .. 16384
+    if offload:
+        available = host_available_bytes()
+        while high > 4 and 16 * gpt2_params(n_layer, high * 256) > available // 2:
+            high -= 1
+    cap = high
 
     def fits(n_embd: int) -> bool:
+        start = time.perf_counter()
         try:
-            gpu_measure("probe", n_layer, n_embd, n_embd // 64, offload, batch=1, seq=256)
-            return True
+            gpu_measure("probe", n_layer, n_embd, n_embd // 64, offload, batch=1, seq=256, warmup=0, steps=1)
+            verdict = True
         except torch.OutOfMemoryError:
-            return False
+            verdict = False
         finally:
             torch.cuda.empty_cache()
+        print(
+            f"  offload={offload} n_embd={n_embd}: {'fits' if verdict else 'out of memory'} "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+        return verdict
 
-    low, high = 4, 64  # in units of 256: 1024 .. 16384
+    low, began = 4, time.perf_counter()
     if not fits(low * 256):
-        return 0
+        return 0, "GPU memory"
     while low < high:
+        if time.perf_counter() - began > PROBE_BUDGET_S:
+            return low * 256, f"at least this: the search stopped at its {PROBE_BUDGET_S} s budget"
         middle = (low + high + 1) // 2
         if fits(middle * 256):
             low = middle
         else:
             high = middle - 1
-    return low * 256
+    if low < cap:
+        return low * 256, "GPU memory"
+    if cap < 64:
+        return low * 256, f"host memory (16 B/param within half of {available / 2**30:.0f} GiB available)"
+    return low * 256, "the search's range"
 
 
 def gpu_part() -> list[dict]:
@@ -196,11 +241,21 @@ def gpu_part() -> list[dict]:
     for name, (n_layer, n_embd, n_head) in {"gpt2-124M": (12, 768, 12), "gpt2-1.2B": (24, 2048, 16)}.items():
         pair = [gpu_measure(name, n_layer, n_embd, n_head, offload) for offload in (False, True)]
         pair[1]["vs_no_offload"] = pair[1]["ms"] / pair[0]["ms"]
+        for row in pair:
+            print(row, flush=True)
         rows += pair
     for offload in (False, True):
+        n_embd, bound = widest_that_fits(offload)
         rows.append(
-            {"part": "gpu widest GPT-2, 24 layers", "setup": f"offload={offload}", "n_embd": widest_that_fits(offload)}
+            {
+                "part": "gpu widest GPT-2, 24 layers",
+                "setup": f"offload={offload}",
+                "n_embd": n_embd,
+                "params_M": gpt2_params(24, n_embd) / 1e6,
+                "bound_by": bound,
+            }
         )
+        print(rows[-1], flush=True)
     dist.destroy_process_group()
     return rows
 
