@@ -156,7 +156,9 @@ class StepMemory:
     partition: str
     rank: int
     owned_numel: list[int] = field(default_factory=list)  # per rank, with whole-param ownership
-    allocator_peak: int | None = None  # a real step on a GPU: torch.cuda.max_memory_allocated over it
+    # a real step on a GPU: torch.cuda.max_memory_allocated over it, less what the device held before
+    # the run began ([Note: the run's own memory])
+    allocator_peak: int | None = None
     device: str = "cpu"  # where the step ran: "cuda" (a fake GPU on fake tensors) or "cpu"
 
 
@@ -237,8 +239,21 @@ def _fake_world(world_size: int, rank: int):
 
 
 def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref_model, device) -> StepMemory:
-    """``device``: the GPU the step runs on (a fake one on fake tensors), or None on the CPU."""
+    """``device``: the GPU the step runs on (a fake one on fake tensors), or None on the CPU.
+
+    [Note: the run's own memory] A real run on a GPU reports the allocator's peak less what the
+    device held when it began: the caller's tensors, and what earlier runs left. They leave their
+    models: torch's ``ModTracker`` (under ``MemTracker``) keeps the params of a model that ran under
+    it alive after it exits, past ``gc.collect()`` (26 of GPT-2's 28 params, reproduced on CPU with
+    ``ModTracker`` alone). Measured on an H100 (torch 2.11), three runs in one process: the
+    allocator's peak over the step was 0.92, 0.85 and 0.68 of the plan, counting 130, 225 and 255
+    MiB of earlier runs, while the tracked peak of each was within 0.6% of the plan. Counted from
+    the run's start it is 0.92, 1.00 and 1.01.
+    """
     zero_on = setup.stage > 0
+    if device is not None and not fake:
+        torch.cuda.synchronize(device)
+        held_before = torch.cuda.memory_allocated(device)
     param_dtype = training.dtype if zero_on else torch.float32  # plain Trainer: fp32 params under autocast
     stand_in = fake and not runs_under_fake_tensors(training.optimizer_cls)
     # Built before the tracker starts (PEFT casts its adapters with module conversions, which fake
@@ -285,7 +300,9 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         step.update(fake)
         sent = sum(comm.comm_stats.sent_bytes.values()) - sent_before
     peak = tracker.peak_on(device) if device is not None else tracker.peak_total()
-    allocator_peak = torch.cuda.max_memory_allocated(device) if device is not None and not fake else None
+    allocator_peak = None
+    if device is not None and not fake:
+        allocator_peak = torch.cuda.max_memory_allocated(device) - held_before
     state = _optimizer_state_bytes(opt, inner, training, stand_in, embeddings)
     if stand_in:
         peak += state  # the stand-in SGD created none ([Note: what the simulation leaves out])
