@@ -176,6 +176,25 @@ def test_plan_command(tmp_path, capsys):
     assert exited.value.code == 2 and "error: device_memory='80XB' is invalid" in err and "Traceback" not in err
 
 
+def test_a_cuda_build_without_a_gpu_plans_on_fake_cpu_tensors_and_says_why(monkeypatch, caplog):
+    """``pip install torch`` on a Linux box without a GPU gets a CUDA build, whose CUDA hooks refuse
+    fake devices in backward (seen with torch 2.11.0+cu130: the plan crashed with "hasPrimaryContext
+    expects a valid device index"). The plan falls back to fake CPU tensors and says what to install."""
+    import hf_lowzero.simulation.launch as launch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # what such a build reports, with no GPU visible
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(launch, "_cuda_build", lambda torch_dir: True)
+    assert not launch.fake_cuda_here()
+    with pytest.raises(launch.FakeCudaUnavailable, match="built with CUDA but sees no GPU.*CPU build"):
+        launch.fake_cuda_library()
+    with caplog.at_level("WARNING", logger="hf_lowzero"):
+        plan = plan_memory(tiny_model_spec("gpt2").config, world_size=2, device_memory="1GiB", seq_len=32)
+    assert plan.simulated_on == "cpu"
+    assert "planning GPU setups on fake CPU tensors" in caplog.text and "sees no GPU" in caplog.text
+    assert plan.recommended is not None and plan.recommended.fits
+
+
 def _cache_hub_config(hf_home, repo_id: str, config) -> None:
     """``repo_id``'s config.json in a Hugging Face cache at ``hf_home``, as ``hf download`` leaves it."""
     repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"

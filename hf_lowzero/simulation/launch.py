@@ -54,15 +54,22 @@ with open(result, "wb") as f:
 
 
 class FakeCudaUnavailable(RuntimeError):
-    """No fake CUDA device can be made here (no C++ compiler, or no torch headers)."""
+    """No fake CUDA device can be made here (no C++ compiler, no torch headers, or a CUDA build of
+    torch on a machine without a GPU)."""
 
 
 def fake_cuda_here() -> bool:
     """Whether fake ``cuda`` tensors can run forward and backward in this process."""
     import torch
 
+    if torch.version.cuda is not None:  # a CUDA build: only with a GPU ([Note: a CUDA build without a GPU])
+        return torch.cuda.device_count() > 0
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     return accelerator is not None and accelerator.type == "cuda"
+
+
+def _cuda_build(torch_dir: Path) -> bool:
+    return bool(list((torch_dir / "lib").glob("libtorch_cuda*")))
 
 
 def fake_cuda_library() -> Path | None:
@@ -71,8 +78,19 @@ def fake_cuda_library() -> Path | None:
     if spec is None or spec.origin is None:
         raise FakeCudaUnavailable("torch is not installed")
     torch_dir = Path(spec.origin).parent
-    if list((torch_dir / "lib").glob("libtorch_cuda*")):
-        return None  # a CUDA build: its own guard and hooks serve fake tensors
+    if _cuda_build(torch_dir):
+        import torch
+
+        if torch.cuda.device_count() == 0:
+            # [Note: a CUDA build without a GPU] its CUDA hooks refuse device 0 in backward
+            # ("hasPrimaryContext expects a valid device index"), and the fake device cannot replace
+            # them; seen with torch 2.11.0+cu130 on a machine with no GPU.
+            raise FakeCudaUnavailable(
+                f"this torch ({torch.__version__}) is built with CUDA but sees no GPU, and its CUDA hooks refuse "
+                "fake devices; to simulate GPUs here, install torch's CPU build "
+                "(pip install torch --index-url https://download.pytorch.org/whl/cpu), or run on a machine with a GPU"
+            )
+        return None  # a CUDA build on a GPU machine: its own guard and hooks serve fake tensors
     include = torch_dir / "include"
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None or not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").is_file():
