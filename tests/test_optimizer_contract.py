@@ -293,3 +293,29 @@ def test_inner_optimizer_attributes_are_reachable(single_rank_group):
         assert opt.missing is None  # raises first
     with pytest.raises(AttributeError):
         assert opt._private_thing is None  # raises first
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_dropped_optimizer_frees_its_model_and_state(single_rank_group, stage):
+    """An optimizer and its model, once nothing refers to them, are freed by Python's collector
+    ([Note: hooks hold the optimizer weakly] in zero/backward.py), also one dropped between its
+    backward and its step (a probe that ran out of memory in the step). Before, the bucket hooks
+    made a cycle through the params that the collector never freed: every optimizer stayed for the
+    process's life."""
+    import gc
+    import weakref
+
+    def train_and_drop(step: bool) -> list[weakref.ref]:
+        model = BranchyNet()
+        opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001)
+        x, y = batch(0, 0)
+        opt.backward(mse_loss(model(x), y))
+        if step:
+            opt.step()
+        return [weakref.ref(t) for t in (*model.parameters(), opt.master.flat)]
+
+    for step in (True, False):
+        refs = train_and_drop(step)
+        gc.collect()
+        alive = [r for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} of {len(refs)} tensors outlived their optimizer (step={step})"

@@ -34,6 +34,15 @@ Example::
 # same plan order. That keeps every rank's collectives in the same sequence only if it was the
 # step's last backward: where a rank's loss may miss the model, call ``opt.backward``.
 
+# [Note: hooks hold the optimizer weakly]
+# A param's hooks live on its tensor, which autograd's C++ side also holds, and Python's collector
+# does not look through such a tensor: a hook that holds the optimizer (whose buckets hold the
+# params) makes a cycle it never frees. Every optimizer, its model, master rows and optimizer
+# state then stayed in memory for the life of the process: seen on an H100, where each of a
+# benchmark's probes built a model and an optimizer and the later probes ran out of memory at a
+# third of the width an earlier one had fitted. So a bucket's hook holds this object weakly, and
+# the bucket only by its index and a few names for its error message.
+
 # [Note: failed backward]
 # An exception inside backward (an OOM in a layer's backward, a bad batch) stops autograd midway:
 # some buckets are launched or reduced, some params hold gradients, and the end-of-backward
@@ -49,6 +58,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -100,26 +110,32 @@ class BackwardSync:
 
     def _hook_for(self, bucket: Bucket):
         # Runs once per bucket per backward, when the param expected last in it got its gradient.
-        launcher, index = self.launcher, bucket.index
+        # It holds this object weakly ([Note: hooks hold the optimizer weakly]).
+        this, index, names = weakref.ref(self), bucket.index, [s.name for s in bucket.slots[:3]]
 
         def hook(_param: torch.Tensor) -> None:
-            if not self.enabled:
-                return
-            if not self.explicit and not self._flush_queued:
-                self._queue_flush()
-            if launcher.phase[index] is not BucketState.WAITING:
-                raise RuntimeError(
-                    f"a gradient of bucket {index} (parameters {[s.name for s in bucket.slots[:3]]}...) arrived "
-                    "after the bucket was already reduced in this backward. Either a parameter is reached twice "
-                    "through reentrant autograd (use non-reentrant activation checkpointing, use_reentrant=False), "
-                    "or an earlier backward raised and was not followed by optimizer.zero_grad()."
-                )
-            if index > self._reached:
-                self._reached = index
-            if self.overlap:
-                launcher.launch_ready(self._reached, self._complete)
+            sync = this()
+            if sync is not None:
+                sync._bucket_hook(index, names)
 
         return hook
+
+    def _bucket_hook(self, index: int, names: list[str]) -> None:
+        if not self.enabled:
+            return
+        if not self.explicit and not self._flush_queued:
+            self._queue_flush()
+        if self.launcher.phase[index] is not BucketState.WAITING:
+            raise RuntimeError(
+                f"a gradient of bucket {index} (parameters {names}...) arrived "
+                "after the bucket was already reduced in this backward. Either a parameter is reached twice "
+                "through reentrant autograd (use non-reentrant activation checkpointing, use_reentrant=False), "
+                "or an earlier backward raised and was not followed by optimizer.zero_grad()."
+            )
+        if index > self._reached:
+            self._reached = index
+        if self.overlap:
+            self.launcher.launch_ready(self._reached, self._complete)
 
     def _complete(self, index: int) -> bool:
         """Whether every param of bucket ``index`` got its gradient in this backward."""
