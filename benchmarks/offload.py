@@ -14,7 +14,10 @@ vs foreach vs fused, on this machine's threads.
 
 GPU (world size 1, NCCL, bf16, stage 2): GPT-2 124M and a ~1.2B config: step time and peak CUDA
 memory with and without offload, against 2Ψ (bf16 params) + bucket buffers + activations; and the
-widest GPT-2 (24 layers) that fits with and without offload. A width is probed by one step. With
+widest GPT-2 (24 layers) that fits: without offload with the Trainer's fused AdamW and with torch's
+default foreach AdamW (whose step makes temporaries the size of the shard), and with offload (the
+host's kernel left open). The inner AdamW is otherwise the Trainer's: fused on the GPU, left open
+with offload. A width is probed by one step, and a probe must leave no memory behind. With
 offload the host holds 16 bytes per param (fp32 masters, AdamW's two moments, fp32 gradient rows), so
 the offload search stops at the width whose host share would pass half the host's available memory:
 past that the host, not the GPU, is what runs out (and the kernel kills the process instead of
@@ -26,6 +29,7 @@ Writes results/offload.md, results/offload.json and results/offload.png.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -148,12 +152,19 @@ def gpu_measure(
     seq: int = 512,
     warmup: int = WARMUP,
     steps: int = STEPS,
+    kernel: str | None = None,
 ) -> dict:
+    """One setup's step time and memory. ``kernel``: the inner AdamW's, "fused" or "foreach"; None
+    (the default) is what the Trainer runs: ``adamw_torch_fused`` on the GPU, and with offload the
+    kernel left open for the host step to choose (its fused CPU kernel)."""
+    kernel = kernel or ("open" if offload else "fused")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = gpu_model(n_layer, n_embd, n_head, seq)
     psi = sum(p.numel() for p in model.parameters())
-    opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=2, offload_optimizer=offload)
+    choice = {"fused": {"fused": True}, "foreach": {"foreach": True}, "open": {}}[kernel]
+    inner = torch.optim.AdamW(model.parameters(), **choice)
+    opt = LowLevelZeroOptimizer(model, inner, stage=2, offload_optimizer=offload)
     x = torch.randint(0, 50257, (batch, seq), device="cuda")
     times = []
     for i in range(warmup + steps):
@@ -168,6 +179,7 @@ def gpu_measure(
     row = {
         "part": "gpu W=1 bf16 stage 2",
         "setup": f"{name} offload={offload}",
+        "adamw": kernel,
         "params_M": psi / 1e6,
         "ms": 1000 * statistics.median(times),
         "peak_cuda_GiB": torch.cuda.max_memory_allocated() / 2**30,
@@ -190,7 +202,7 @@ def host_available_bytes() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def widest_that_fits(offload: bool, n_layer: int = 24) -> tuple[int, str]:
+def widest_that_fits(offload: bool, n_layer: int = 24, kernel: str | None = None) -> tuple[int, str]:
     """Largest n_embd (multiple of 256, 1024 to 16384) whose bf16 stage-2 step runs at W=1, by
     bisection (a handful of probes, each a whole model built and stepped once), and what bounds it:
     the GPU's memory, or, with offload, the host's (see the module's docstring)."""
@@ -200,18 +212,27 @@ def widest_that_fits(offload: bool, n_layer: int = 24) -> tuple[int, str]:
         while high > 4 and 16 * gpt2_params(n_layer, high * 256) > available // 2:
             high -= 1
     cap = high
+    gc.collect()
+    held = torch.cuda.memory_allocated()
 
     def fits(n_embd: int) -> bool:
         start = time.perf_counter()
         try:
-            gpu_measure("probe", n_layer, n_embd, n_embd // 64, offload, batch=1, seq=256, warmup=0, steps=1)
+            gpu_measure("probe", n_layer, n_embd, n_embd // 64, offload, 1, 256, warmup=0, steps=1, kernel=kernel)
             verdict = True
         except torch.OutOfMemoryError:
             verdict = False
-        finally:
-            torch.cuda.empty_cache()
+        # A probe that left memory behind would make every later one run out early: the first GPU
+        # runs of this search did, before [Note: hooks hold the optimizer weakly] in zero/backward.py.
+        gc.collect()
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated() - held
+        if left > 64 << 20:
+            raise RuntimeError(
+                f"the probe of width {n_embd} left {left / 2**30:.2f} GiB allocated; later widths would be wrong"
+            )
         print(
-            f"  offload={offload} n_embd={n_embd}: {'fits' if verdict else 'out of memory'} "
+            f"  offload={offload} adamw={kernel or 'open'} n_embd={n_embd}: {'fits' if verdict else 'out of memory'} "
             f"({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
@@ -244,12 +265,14 @@ def gpu_part() -> list[dict]:
         for row in pair:
             print(row, flush=True)
         rows += pair
-    for offload in (False, True):
-        n_embd, bound = widest_that_fits(offload)
+    # the Trainer's fused AdamW, torch's default foreach (its step makes whole-shard temporaries), offload
+    for offload, kernel in ((False, "fused"), (False, "foreach"), (True, None)):
+        n_embd, bound = widest_that_fits(offload, kernel=kernel)
         rows.append(
             {
                 "part": "gpu widest GPT-2, 24 layers",
                 "setup": f"offload={offload}",
+                "adamw": kernel or "open",
                 "n_embd": n_embd,
                 "params_M": gpt2_params(24, n_embd) / 1e6,
                 "bound_by": bound,
