@@ -246,10 +246,10 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     models: torch's ``ModTracker`` (under ``MemTracker``) keeps the params of a model that ran under
     it alive after it exits, past ``gc.collect()`` (26 of GPT-2's 28 params, reproduced on CPU with
     ``ModTracker`` alone), and so did the optimizer's own hooks until [Note: hooks hold the
-    optimizer weakly] in ``zero/backward.py``. Measured on an H100 (torch 2.11), three runs in one process: the
-    allocator's peak over the step was 0.92, 0.85 and 0.68 of the plan, the second and third
-    counting 130 and 225 MiB that the runs before them left, while the tracked peak of each was
-    within 0.6% of the plan. Counted from the run's start it is 0.92, 1.00 and 1.01.
+    optimizer weakly] in ``zero/backward.py``. Measured on an H100 (torch 2.11), three runs in one
+    process: the allocator's peak over the step was 0.92, 0.85 and 0.68 of the plan, the second and
+    third counting 130 and 225 MiB that the runs before them left, while the tracked peak of each
+    was within 0.6% of the plan. Counted from the run's start it is 0.92, 1.00 and 1.01.
     """
     zero_on = setup.stage > 0
     if device is not None and not fake:
