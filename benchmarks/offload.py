@@ -43,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
+from hf_lowzero.trainer.auto import node_available_memory  # noqa: E402
 
 ROUNDS, STEPS, WARMUP = 15, 3, 2
 PROBE_BUDGET_S = 60  # per widest-model search: each probe with offload pins and steps gigabytes on the host
@@ -154,10 +155,9 @@ def gpu_measure(
     steps: int = STEPS,
     kernel: str | None = None,
 ) -> dict:
-    """One setup's step time and memory. ``kernel``: the inner AdamW's, "fused" or "foreach"; None
-    (the default) is what the Trainer runs: ``adamw_torch_fused`` on the GPU, and with offload the
-    kernel left open for the host step to choose (its fused CPU kernel)."""
-    kernel = kernel or ("open" if offload else "fused")
+    """One setup's step time and memory. ``kernel``: the inner AdamW's ("fused", "foreach", "open"), or
+    None for the Trainer's (``trainers_kernel``)."""
+    kernel = kernel or trainers_kernel(offload)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = gpu_model(n_layer, n_embd, n_head, seq)
@@ -191,24 +191,25 @@ def gpu_measure(
     return row
 
 
+def trainers_kernel(offload: bool) -> str:
+    """The AdamW kernel the Trainer runs: ``adamw_torch_fused`` on the GPU; with offload the kernel left
+    open for the host step to choose (its fused CPU kernel)."""
+    return "open" if offload else "fused"
+
+
 def gpt2_params(n_layer: int, n_embd: int, seq: int = 256, vocab: int = 50257) -> int:
     """GPT-2's parameter count: 12 d^2 + 13 d per block, the embeddings and the final norm."""
     return n_layer * (12 * n_embd * n_embd + 13 * n_embd) + (vocab + seq) * n_embd + 2 * n_embd
-
-
-def host_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def widest_that_fits(offload: bool, n_layer: int = 24, kernel: str | None = None) -> tuple[int, str]:
     """Largest n_embd (multiple of 256, 1024 to 16384) whose bf16 stage-2 step runs at W=1, by
     bisection (a handful of probes, each a whole model built and stepped once), and what bounds it:
     the GPU's memory, or, with offload, the host's (see the module's docstring)."""
+    kernel = kernel or trainers_kernel(offload)
     high = 64  # in units of 256: 1024 .. 16384
     if offload:
-        available = host_available_bytes()
+        available = node_available_memory()
         while high > 4 and 16 * gpt2_params(n_layer, high * 256) > available // 2:
             high -= 1
     cap = high
@@ -232,7 +233,7 @@ def widest_that_fits(offload: bool, n_layer: int = 24, kernel: str | None = None
                 f"the probe of width {n_embd} left {left / 2**30:.2f} GiB allocated; later widths would be wrong"
             )
         print(
-            f"  offload={offload} adamw={kernel or 'open'} n_embd={n_embd}: {'fits' if verdict else 'out of memory'} "
+            f"  offload={offload} adamw={kernel} n_embd={n_embd}: {'fits' if verdict else 'out of memory'} "
             f"({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
@@ -266,13 +267,13 @@ def gpu_part() -> list[dict]:
             print(row, flush=True)
         rows += pair
     # the Trainer's fused AdamW, torch's default foreach (its step makes whole-shard temporaries), offload
-    for offload, kernel in ((False, "fused"), (False, "foreach"), (True, None)):
+    for offload, kernel in ((False, "fused"), (False, "foreach"), (True, "open")):
         n_embd, bound = widest_that_fits(offload, kernel=kernel)
         rows.append(
             {
                 "part": "gpu widest GPT-2, 24 layers",
                 "setup": f"offload={offload}",
-                "adamw": kernel or "open",
+                "adamw": kernel,
                 "n_embd": n_embd,
                 "params_M": gpt2_params(24, n_embd) / 1e6,
                 "bound_by": bound,

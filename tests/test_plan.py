@@ -182,9 +182,8 @@ def test_a_cuda_build_without_a_gpu_plans_on_fake_cpu_tensors_and_says_why(monke
     expects a valid device index"). The plan falls back to fake CPU tensors and says what to install."""
     import hf_lowzero.simulation.launch as launch
 
-    monkeypatch.setattr(torch.version, "cuda", "13.0")  # what such a build reports, with no GPU visible
+    monkeypatch.setattr(launch, "_cuda_build", lambda torch_dir: True)  # such a build, with no GPU visible
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(launch, "_cuda_build", lambda torch_dir: True)
     assert not launch.fake_cuda_here()
     with pytest.raises(launch.FakeCudaUnavailable, match="built with CUDA but sees no GPU.*CPU build"):
         launch.fake_cuda_library()

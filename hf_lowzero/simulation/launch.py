@@ -62,7 +62,7 @@ def fake_cuda_here() -> bool:
     """Whether fake ``cuda`` tensors can run forward and backward in this process."""
     import torch
 
-    if torch.version.cuda is not None:  # a CUDA build: only with a GPU ([Note: a CUDA build without a GPU])
+    if _cuda_build(Path(torch.__file__).parent):  # only with a GPU ([Note: a CUDA build without a GPU])
         return torch.cuda.device_count() > 0
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     return accelerator is not None and accelerator.type == "cuda"
