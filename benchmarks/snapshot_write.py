@@ -3,11 +3,12 @@
     python benchmarks/snapshot_write.py --before 0423e57      # ~4 min on a 2-core CPU machine
 
 Two ranks train with ``LowZeroTrainer`` (ZeRO-2, AdamW, gloo, no Ray, no holders), and after every
-step from the 6th each rank does what ``MemorySnapshots`` does for a snapshot, in the loop: stages
-its shard (``ShardStager.stage``: the copy into a host buffer), takes the Trainer's part
-(``trainer_manifest``) and writes its piece into a file in ``/dev/shm`` (``Staged.write``, the
-background thread's work, here timed in the loop), over a spare file as a holder would leave one
-(the piece two snapshots back becomes a spare). Rank 0's medians, for the main job's model (a tiny
+step from the 6th each rank does what ``MemorySnapshots``'s stop does for a snapshot on the host:
+stages its shard (``ShardStager.stage``: on the host its live tensors, no copy: [Note: written from
+the live shard]; a checkout older than that copies them into a host buffer), takes the Trainer's
+part (``trainer_manifest``, each log entry copied once) and writes its piece into a file in
+``/dev/shm`` (``Staged.write``), over a spare file as a holder would leave one (the piece two
+snapshots back becomes a spare). Rank 0's medians, for the main job's model (a tiny
 GPT-2, a 0.7 MiB shard per rank) and the GPT-2 benchmark model (4x256, a 30 MiB shard), with this
 checkout's code and, with ``--before REF``, the code of git commit REF, interleaved in each round.
 The ratios are today's time over the same round's ``before``. Both ranks train at once on the 2
@@ -19,6 +20,7 @@ Writes results/snapshot_write.md and .json.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -54,7 +56,7 @@ class SnapshotEachStep(TrainerCallback):
     def after_log_save_evaluate(self, trainer) -> None:
         from hf_lowzero.snapshot import ShardStager
         from hf_lowzero.snapshot.segments import recycle
-        from hf_lowzero.trainer.snapshot_files import trainer_manifest
+        from hf_lowzero.trainer.snapshot_files import LogCopies, trainer_manifest
 
         step = trainer.state.global_step
         if step < FIRST or step == self.last:  # the epoch's end calls it again for the same step
@@ -62,11 +64,14 @@ class SnapshotEachStep(TrainerCallback):
         self.last = step
         if not hasattr(self, "stager"):
             self.stager = ShardStager(trainer.zero_optimizer)
+            self.log = LogCopies()  # each log entry copied once, as MemorySnapshots does
         rank = dist.get_rank()
         start = time.perf_counter()
-        staged = self.stager.stage(step)
+        # as MemorySnapshots stages on the host (an older checkout copies into a staging buffer)
+        live = {"live": True} if "live" in inspect.signature(self.stager.stage).parameters else {}
+        staged = self.stager.stage(step, **live)
         staged_at = time.perf_counter()
-        fields = trainer_manifest(trainer, include_state=rank == 0)
+        fields = trainer_manifest(trainer, include_state=rank == 0, log=self.log)
         fields_at = time.perf_counter()
         staged.write(self.folder / f"step{step}-rank{rank}.piece", spares=self.folder, **fields)
         end = time.perf_counter()

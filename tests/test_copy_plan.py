@@ -4,7 +4,8 @@ Two ranks train ``BranchyNet`` with ZeRO-2 and AdamW and stage a snapshot after 
 staged copy must equal what ``shard_tensors`` reads from the live shard at that moment (the
 reference: the stop without a plan): after in-place steps (the plan is reused), after a state
 tensor was replaced by another object (AdamW's ``exp_avg`` of one param, as a load or another
-optimizer may do), and after ``load_state_dict`` of an earlier state.
+optimizer may do), and after ``load_state_dict`` of an earlier state. The same holds for the bytes
+a stop on the host writes from the live shard, without a copy ([Note: written from the live shard]).
 """
 
 import torch
@@ -13,6 +14,7 @@ from torch.nn.functional import mse_loss
 from hf_lowzero.checkpoint.save import shard_tensors
 from hf_lowzero.checkpoint.shards import ShardView
 from hf_lowzero.snapshot import ShardStager
+from hf_lowzero.snapshot.format import file_layout
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 from tests.models import BranchyNet, make_inner
@@ -45,6 +47,11 @@ def _staged_equals_live(stager: ShardStager, opt, step: int) -> None:
             assert torch.equal(staged.shard[key], t), f"step {step}: {key} staged stale"
     finally:
         staged.release()
+    # [Note: written from the live shard]: the bytes a stop on the host writes are the live shard's
+    in_file_order = [live[key].reshape(-1).view(torch.uint8) for key, *_ in file_layout(live).spans]
+    unstaged = stager.stage(step, live=True)
+    assert unstaged.live is not None and list(unstaged.shard) == list(live)
+    assert torch.equal(torch.cat(unstaged.live), torch.cat(in_file_order)), f"step {step}: stale bytes written"
 
 
 def _plan_follows_the_shard(rank: int, world_size: int) -> None:

@@ -222,6 +222,44 @@ def test_a_piece_staged_as_one_buffer_is_the_piece_written_tensor_by_tensor(tmp_
     assert payload_error(piece.manifest, piece.payload) is None
 
 
+def test_a_piece_written_from_the_live_shard_is_the_piece_written_tensor_by_tensor(tmp_path):
+    """[Note: written from the live shard]: the live tensors' bytes copied into the mapped file in
+    one call, then checksummed there, give the same file as the tensors written one by one, over a
+    kept mapping written again with other values, and over a spare file; bytes that do not fill
+    the file's data are refused, and no file is left."""
+    from hf_lowzero.snapshot.copy_plan import _file_bytes
+    from hf_lowzero.snapshot.mapped import MappedFiles
+    from hf_lowzero.snapshot.segments import recycle
+
+    torch.manual_seed(0)
+    shard = {
+        "w.master": torch.randn(CHECKSUM_CHUNK_NUMEL * 2 + 7),
+        "w.exp_avg": torch.randn(513, 3),
+        "b.master": torch.randn(5).to(torch.bfloat16),
+        "b.count": torch.arange(3, dtype=torch.int64),
+        "e.empty": torch.zeros(0),
+    }
+    live = _file_bytes(shard)
+    manifest = {"step": 3, "rank": 0, "world_size": 1}
+    files = MappedFiles()
+    for step in range(3):  # the same file mapped again, then a spare taken over
+        for t in shard.values():
+            t.add_(1)  # the live shard changed in place: the views see it
+        path = tmp_path / f"live{step}.piece"
+        written = write_piece(shard, {}, {**manifest, "step": step}, path, tmp_path, files, shard_bytes=live)
+        expected = write_piece(shard, {}, {**manifest, "step": step}, tmp_path / "expected.piece")
+        assert written == expected
+        assert path.read_bytes() == (tmp_path / "expected.piece").read_bytes()
+        assert payload_error(written, path.read_bytes()) is None
+        (tmp_path / "expected.piece").unlink()
+        recycle(path, keep_at_most=1)  # the next write takes this file over
+    assert _file_bytes({"t": torch.randn(4, 4).t()}) is None  # not contiguous: the shard is copied instead
+    with pytest.raises(ValueError, match="shard's bytes"):
+        write_piece(shard, {}, manifest, tmp_path / "short.piece", shard_bytes=live[:-2])
+    assert not (tmp_path / "short.piece").exists()
+    files.close()
+
+
 def test_rng_states_survive_json():
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     state = rng_to_json(cuda_all=False)

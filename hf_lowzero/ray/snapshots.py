@@ -232,7 +232,7 @@ class MemorySnapshots(TrainerCallback):
             self.close()  # a new optimizer (model_init, a second train()): new buffers for it
         if self._stager is None:
             self._stager = ShardStager(trainer.zero_optimizer)
-        staged = self._stager.stage(step)
+        staged = self._stager.stage(step, live=not self.background_writes)  # [Note: written from the live shard]
         fields = trainer_manifest(trainer, include_state=self.rank == 0, log=self._log)
         integrity = trainer.zero_optimizer.integrity
         verified, check_s = None, 0.0
@@ -382,10 +382,14 @@ class MemorySnapshots(TrainerCallback):
         if self.schedule.auto:
             at_least = f", at least every {self.schedule.cap} steps" if self.schedule.cap < MAX_INTERVAL else ""
             every = f"auto (within {AUTO_OVERHEAD:.0%}{at_least})"
+        staging = (  # [Note: written from the live shard] in hf_lowzero/snapshot/stager.py
+            "no staging buffers (written from the live shard)" if staged.live is not None
+            else f"{2 * shard / MIB:.1f} MiB of staging buffers"
+        )  # fmt: skip
         logger.info(
             "[hf_lowzero] memory snapshots %s: %.1f MiB per rank's shard; a node holds up to %.1f MiB "
-            "(%d x %d ranks' shards) and each worker %.1f MiB of staging buffers",
-            every, shard / MIB, kept * per_node * shard / MIB, kept, per_node, 2 * shard / MIB,
+            "(%d x %d ranks' shards) and each worker %s",
+            every, shard / MIB, kept * per_node * shard / MIB, kept, per_node, staging,
         )  # fmt: skip
         if self.one_node:
             logger.info(

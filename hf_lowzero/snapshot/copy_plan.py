@@ -35,6 +35,7 @@ import torch
 
 from hf_lowzero.checkpoint.save import shard_tensors, state_record
 from hf_lowzero.checkpoint.shards import ShardView, scalar_to_json
+from hf_lowzero.snapshot.format import file_layout
 from hf_lowzero.zero.memory import is_packed
 
 
@@ -49,6 +50,7 @@ class CopyPlan:
     scalars: tuple[tuple[int, str], ...]
     sources: tuple[torch.Tensor, ...] = ()  # the state's tensors, held: their ids stay theirs
     _records: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+    _bytes: list[tuple[torch.Tensor, ...] | None] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def of(cls, view: ShardView) -> CopyPlan:
@@ -69,6 +71,15 @@ class CopyPlan:
         """Whether this plan is ``view``'s ([Note: copy plan])."""
         return self.signature is not None and signature(view) == self.signature
 
+    def file_bytes(self) -> tuple[torch.Tensor, ...] | None:
+        """The tensors' bytes (flat ``uint8`` views) in their file's data order, to be copied
+        straight into a piece's file ([Note: written from the live shard] in ``stager.py``); None
+        when a tensor is not contiguous or not on the host. Worked out once per plan: for a plan
+        that fits, they are views of the live tensors."""
+        if not self._bytes:
+            self._bytes.append(_file_bytes(self.tensors))
+        return self._bytes[0]
+
     def records(self, view: ShardView, positions: list[int]) -> dict[int, dict[str, Any]]:
         """``state_record(view, pos)`` of each of ``positions``, for a view this plan fits: worked
         out once per param, then with only its scalar values read again ([Note: copy plan])."""
@@ -80,6 +91,12 @@ class CopyPlan:
             state = view.state_dict["state"].get(pos, {})
             records[pos] = {**known, "scalar_state": {k: scalar_to_json(state[k]) for k in known["scalar_state"]}}
         return records
+
+
+def _file_bytes(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors.values()):
+        return None
+    return tuple(tensors[key].detach().reshape(-1).view(torch.uint8) for key, *_ in file_layout(tensors).spans)
 
 
 def _state_tensors(view: ShardView):

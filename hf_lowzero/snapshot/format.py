@@ -46,7 +46,8 @@ from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.segments import read_range, take_spare, unlink
 
 FORMAT = "hf_lowzero.snapshot"
-FORMAT_VERSION = 2  # 2: the details are a part of the piece ([Note: details in the file])
+FORMAT_VERSION = 3  # 2: the details are a part of the piece ([Note: details in the file]); 3: RNG states as
+# bytes ([Note: RNG states as bytes] in hf_lowzero/trainer/snapshot_files.py)
 DETAILS = "details"
 FRAME_KEYS = ("format", "format_version", "step", "rank", "world_size", "parts", "details_crc32")
 PUT_BLOCK = 1 << 20  # ``write_data`` copies this much at a time, right after checksumming it
@@ -155,13 +156,16 @@ def write_piece(
     spares: str | Path | None = None,
     files: MappedFiles | None = None,
     shard_data: memoryview | None = None,
+    shard_bytes: tuple[torch.Tensor, ...] | None = None,
 ) -> dict[str, Any]:
     """Write the piece ``encode_piece`` would build into the new file ``path`` (a memory-backed
     segment: ``hf_lowzero.snapshot.segments``) in one pass over the tensors; returns its manifest.
     ``spares``: a folder whose spare file of the piece's size, if any, becomes ``path`` ([Note:
     spare files] in ``segments.py``); ``files``: the writer's kept mappings ([Note: kept mappings]
     in ``mapped.py``; None: the file is mapped for this write only); ``shard_data``: as for
-    ``encode_piece``."""
+    ``encode_piece``; ``shard_bytes``: ``shard``'s bytes as flat ``uint8`` tensors in the file's
+    data order (the live shard's: [Note: written from the live shard] in ``stager.py``), copied
+    into the file in one torch call and then checksummed there."""
     layouts = piece_layouts(shard, extras)
     details = _details(manifest)
     size = sum(layout.size for _, layout in layouts) + len(details)
@@ -173,8 +177,11 @@ def write_piece(
         with files.writing(fd, size) as mapped:
             for name, layout in layouts:
                 tensors = shard if name == "shard" else extras
-                _write_part(layout, tensors, shard_data if name == "shard" else None,
-                            lambda at, data, base=offset: _put(mapped, base + at, data))  # fmt: skip
+                if name == "shard" and shard_bytes is not None:
+                    _copy_into(mapped, offset, layout, shard_bytes)
+                else:
+                    _write_part(layout, tensors, shard_data if name == "shard" else None,
+                                lambda at, data, base=offset: _put(mapped, base + at, data))  # fmt: skip
                 parts[name] = [offset, offset + layout.size]
                 offset += layout.size
             _put(mapped, offset, details)
@@ -194,6 +201,21 @@ def _write_part(layout: FileLayout, tensors: dict[str, torch.Tensor], data: memo
         raise ValueError(f"the staged data has {len(data)} bytes, its tensors {layout.data_size}")
     else:
         layout.write_data(data, put)
+
+
+def _copy_into(mapped: Any, offset: int, layout: FileLayout, parts: tuple[torch.Tensor, ...]) -> None:
+    """Copy ``parts`` (the tensors' bytes in data order) into the file part at ``offset`` of the
+    mapping ``mapped``, then its header, with the checksums of the bytes as they landed."""
+    start, end = offset + len(layout.header), offset + layout.size
+    if sum(t.numel() for t in parts) != layout.data_size:
+        raise ValueError(f"the shard's bytes are {sum(t.numel() for t in parts)}, its file's data {layout.data_size}")
+    if layout.data_size:
+        region = torch.frombuffer(mapped, dtype=torch.uint8, count=layout.data_size, offset=start)
+        try:
+            torch.cat(parts, out=region)
+        finally:
+            del region  # the mapping is closed later: no tensor may still export it
+    _put(mapped, offset, layout.checksummed_header(memoryview(mapped)[start:end]))
 
 
 def _put(mapped: Any, offset: int, data: bytes | memoryview) -> None:
@@ -248,14 +270,31 @@ class FileLayout:
         the bytes with ``put`` in blocks of about a chunk, each right after its checksums (in cache)."""
         header = bytearray(self.header)
         base, done = len(header), 0
-        for key, start, end, element_size in self.spans:
-            for _, hi in self._checksummed(header, key, data, start, end, element_size):
-                if hi - done >= PUT_BLOCK:
-                    put(base + done, data[done:hi])
-                    done = hi
+        for slot, lo, hi in self.chunks:
+            header[slot : slot + 8] = b"%08x" % crc32(data[lo:hi])
+            if hi - done >= PUT_BLOCK:
+                put(base + done, data[done:hi])
+                done = hi
         if done < len(data):
             put(base + done, data[done:])
         put(0, header)
+
+    @functools.cached_property
+    def chunks(self) -> tuple[tuple[int, int, int], ...]:
+        """Each checksum chunk of the data, in order: (its slot's offset in ``header``, its start,
+        its end in the data)."""
+        out = []
+        for key, start, end, element_size in self.spans:
+            step = CHECKSUM_CHUNK_NUMEL * element_size
+            out += [(self.slots[key] + 9 * i, lo, min(lo + step, end)) for i, lo in enumerate(range(start, end, step))]
+        return tuple(out)
+
+    def checksummed_header(self, data: memoryview) -> bytearray:
+        """The header with the checksums of ``data`` (the tensors' ``data_size`` bytes, in data order)."""
+        header = bytearray(self.header)
+        for slot, lo, hi in self.chunks:  # one small tensor is one chunk: no per-tensor Python
+            header[slot : slot + 8] = b"%08x" % crc32(data[lo:hi])
+        return header
 
     def _checksummed(
         self, header: bytearray, key: str, data: memoryview, start: int, end: int, element_size: int

@@ -29,6 +29,17 @@ Example::
 # chunk at its known offset and copies the block into the file a megabyte at a time, each block
 # right after its checksums, while it is in cache (``FileLayout.write_data`` in ``format.py``).
 
+# [Note: written from the live shard]
+# On the host, a piece is written by the stop itself ([Note: written at the stop] in
+# ``hf_lowzero/ray/snapshots.py``), before the next step changes the shard: a copy into a staging
+# buffer that is then copied into the piece's file is one copy too many, and the two buffers are
+# twice the shard in host memory for nothing. ``stage(live=True)`` copies nothing there: the
+# write copies the live tensors straight into the file, in one ``torch.cat`` into the mapped
+# file's data (their bytes as flat views, in the file's order, worked out once per copy plan:
+# ``CopyPlan.file_bytes``), and then checksums the bytes where they landed. The scalar state is
+# not frozen either: the write reads it before the next step. On a GPU (or with a background
+# writer) the shard is copied as ever.
+
 # [Note: described off the loop]
 # A piece's manifest describes the optimizer state (each whole param's state record; on rank 0
 # the checkpoint metadata of every param and group): per-param Python work that took most of the
@@ -77,6 +88,7 @@ class Staged:
     )
     files: MappedFiles | None = None  # the writer's kept mappings ([Note: kept mappings] in mapped.py)
     data: torch.Tensor | None = None  # ``shard``'s bytes as one buffer in file order ([Note: packed staging])
+    live: tuple[torch.Tensor, ...] | None = None  # the live shard's bytes ([Note: written from the live shard])
 
     def full_manifest(self, **manifest_fields: Any) -> dict[str, Any]:
         """The manifest with the optimizer's description and ``manifest_fields`` added."""
@@ -98,7 +110,7 @@ class Staged:
         try:
             dev.host_waits(self.copied)
             manifest = self.full_manifest(**manifest_fields)
-            return write_piece(self.shard, self.extras, manifest, path, spares, self.files, self._data())
+            return write_piece(self.shard, self.extras, manifest, path, spares, self.files, self._data(), self.live)
         finally:
             self.release()
 
@@ -122,23 +134,19 @@ class ShardStager:
         self._stream = None  # a side stream of the params' device, made at the first CUDA copy
         self._files = MappedFiles()  # the pieces' files, mapped once ([Note: kept mappings] in mapped.py)
 
-    def stage(self, step: int) -> Staged:
-        """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged."""
+    def stage(self, step: int, live: bool = False) -> Staged:
+        """Copy this rank's shard (and rank 0's persistent buffers) at ``step``; returns it staged.
+        ``live``: when the shard is on the host, copy nothing: the staged shard is the live one, to
+        be written before the next step changes it ([Note: written from the live shard])."""
         view = ShardView.of(self.opt)
         if self._plan is None or not self._plan.fits(view):  # [Note: copy plan] in copy_plan.py
             self._plan = CopyPlan.of(view)  # (the state is described off the loop: [Note: described off the loop])
-        plan, tensors = self._plan, self._plan.tensors
-        i, self._next = self._next, 1 - self._next
-        self._free[i].wait()
-        self._free[i].clear()
-        if self._planned[i] is not plan and (
-            self._buffers[i] is None or _layout(self._buffers[i][0]) != _layout(tensors)
-        ):
-            self._buffers[i] = _staging_like(tensors)
-        self._planned[i] = plan
-        buffers, data = self._buffers[i]
-        copied = self._copy(tensors, buffers)
-        _freeze_scalars(view, plan.scalars)
+        plan = self._plan
+        live_bytes = plan.file_bytes() if live else None
+        if live_bytes is not None:
+            shard, copied, release, data = plan.tensors, None, _nothing, None
+        else:
+            shard, copied, release, data = self._copied(view, plan)
         manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size}
         unsharded, buffer_names, extras = self._rank0_extras(view) if view.rank == 0 else ({}, set(), {})
 
@@ -151,7 +159,24 @@ class ShardStager:
                 described["zero_meta"] = _rank0_metadata(view, by_name, unsharded, buffer_names)
             return described
 
-        return Staged(buffers, extras, manifest, copied, self._free[i].set, describe, self._files, data)
+        return Staged(shard, extras, manifest, copied, release, describe, self._files, data, live_bytes)
+
+    def _copied(self, view: ShardView, plan: CopyPlan):
+        """The plan's tensors copied into a free host buffer ([Note: double buffer]), with the
+        scalar state frozen: the staged shard, the copy's event, the buffer's release, its data."""
+        tensors = plan.tensors
+        i, self._next = self._next, 1 - self._next
+        self._free[i].wait()
+        self._free[i].clear()
+        if self._planned[i] is not plan and (
+            self._buffers[i] is None or _layout(self._buffers[i][0]) != _layout(tensors)
+        ):
+            self._buffers[i] = _staging_like(tensors)
+        self._planned[i] = plan
+        buffers, data = self._buffers[i]
+        copied = self._copy(tensors, buffers)
+        _freeze_scalars(view, plan.scalars)
+        return buffers, copied, self._free[i].set, data
 
     def close(self) -> None:
         """Wait for the buffers' encoders and drop the buffers and the kept mappings."""
@@ -214,6 +239,10 @@ def _freeze_scalars(view: ShardView, scalars: tuple[tuple[int, str], ...]) -> No
         for key, value in group.items():
             if isinstance(value, torch.Tensor):
                 group[key] = value.detach().clone()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
