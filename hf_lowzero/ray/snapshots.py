@@ -383,12 +383,12 @@ class MemorySnapshots(TrainerCallback):
             at_least = f", at least every {self.schedule.cap} steps" if self.schedule.cap < MAX_INTERVAL else ""
             every = f"auto (within {AUTO_OVERHEAD:.0%}{at_least})"
         staging = (  # [Note: written from the live shard] in hf_lowzero/snapshot/stager.py
-            "no staging buffers (written from the live shard)" if staged.live is not None
-            else f"{2 * shard / MIB:.1f} MiB of staging buffers"
+            ", and no staging buffer (each worker writes its piece from the live shard)" if staged.live is not None
+            else f" and each worker {2 * shard / MIB:.1f} MiB of staging buffers"
         )  # fmt: skip
         logger.info(
             "[hf_lowzero] memory snapshots %s: %.1f MiB per rank's shard; a node holds up to %.1f MiB "
-            "(%d x %d ranks' shards) and each worker %s",
+            "(%d x %d ranks' shards)%s",
             every, shard / MIB, kept * per_node * shard / MIB, kept, per_node, staging,
         )  # fmt: skip
         if self.one_node:

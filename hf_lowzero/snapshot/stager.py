@@ -1,20 +1,23 @@
-"""Copying this rank's shard out of the training loop's way: double-buffered host copies.
+"""This rank's shard for a snapshot: its live tensors on the host, double-buffered host copies on a GPU.
 
 Example::
 
     stager = ShardStager(opt)
     staged = stager.stage(step=15)      # after the step: one copy per tensor into a free host buffer
     manifest = staged.write(path)       # any thread: checksums and bytes into a file; frees the buffer
+    live = stager.stage(step=16, live=True)   # on the host: no copy ([Note: written from the live shard])
+    manifest = live.write(path2)              # before the next step
 
 # [Note: double buffer]
-# A snapshot stops training for one copy of this rank's rows of the fp32 masters and optimizer
-# state (12 bytes per element of its shard with AdamW), into one of two preallocated host buffers.
-# The piece is written from that copy (the checksums and the bytes, in one pass into a file in
-# the node's memory): on the host right away, by the stop ([Note: written at the stop] in
-# ``hf_lowzero/ray/snapshots.py``), and on a GPU by a background thread once the asynchronous copy
-# is done, so the next step runs while the previous snapshot is still being written from the
-# other buffer. ``stage()`` waits only when both buffers are still being written (a snapshot asked
-# for before the one two snapshots back finished); the caller's timing of ``stage()`` counts it.
+# On a GPU a snapshot stops training for one copy of this rank's rows of the fp32 masters and
+# optimizer state (12 bytes per element of its shard with AdamW), into one of two preallocated
+# host buffers. A background thread writes the piece from that copy (the checksums and the bytes,
+# in one pass into a file in the node's memory) once the asynchronous copy is done, so the next
+# step runs while the previous snapshot is still being written from the other buffer. On the
+# host the stop writes the piece itself, from the live shard, with no copy ([Note: written from
+# the live shard]). ``stage()`` waits only when both buffers are still being written (a snapshot
+# asked for before the one two snapshots back finished); the caller's timing of ``stage()`` counts
+# it.
 # On CUDA the copy itself is asynchronous: it runs on a side stream of the params' device into
 # pinned buffers, after the step's kernels, while the next forward and backward run; every later
 # writer of the copied tensors (the next step, a train()/eval() switch, a load) waits for it at the
