@@ -65,11 +65,11 @@ class SnapshotEachStep(TrainerCallback):
         if not hasattr(self, "stager"):
             self.stager = ShardStager(trainer.zero_optimizer)
             self.log = LogCopies()  # each log entry copied once, as MemorySnapshots does
+            # as MemorySnapshots stages on the host (an older checkout copies into a staging buffer)
+            self.live = {"live": True} if "live" in inspect.signature(self.stager.stage).parameters else {}
         rank = dist.get_rank()
         start = time.perf_counter()
-        # as MemorySnapshots stages on the host (an older checkout copies into a staging buffer)
-        live = {"live": True} if "live" in inspect.signature(self.stager.stage).parameters else {}
-        staged = self.stager.stage(step, **live)
+        staged = self.stager.stage(step, **self.live)
         staged_at = time.perf_counter()
         fields = trainer_manifest(trainer, include_state=rank == 0, log=self.log)
         fields_at = time.perf_counter()

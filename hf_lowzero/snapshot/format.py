@@ -24,7 +24,6 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,13 +254,17 @@ class FileLayout:
         """Checksum and write ``tensors`` chunk by chunk with ``put(offset, bytes)``, then the header."""
         header = bytearray(self.header)
         base = len(header)
-        for key, start, end, element_size in self.spans:
+        raws = {}  # key -> (its start in the data, its bytes)
+        for key, start, _, _ in self.spans:
             flat = tensors[key].detach().reshape(-1)
             if not flat.is_contiguous() or flat.device.type != "cpu":
                 raise ValueError(f"{key!r}: a piece is written from contiguous host tensors, got {flat.device}")
-            raw = memoryview(flat.view(torch.uint8).numpy())
-            for lo, hi in self._checksummed(header, key, raw, 0, end - start, element_size):
-                put(base + start + lo, raw[lo:hi])
+            raws[key] = (start, memoryview(flat.view(torch.uint8).numpy()))
+        for key, slot, lo, hi in self.chunks:
+            start, raw = raws[key]
+            chunk = raw[lo - start : hi - start]
+            _checksum_into(header, slot, chunk)
+            put(base + lo, chunk)
         put(0, header)
 
     def write_data(self, data: memoryview, put: Any) -> None:
@@ -270,8 +273,8 @@ class FileLayout:
         the bytes with ``put`` in blocks of about a chunk, each right after its checksums (in cache)."""
         header = bytearray(self.header)
         base, done = len(header), 0
-        for slot, lo, hi in self.chunks:
-            header[slot : slot + 8] = b"%08x" % crc32(data[lo:hi])
+        for _, slot, lo, hi in self.chunks:
+            _checksum_into(header, slot, data[lo:hi])
             if hi - done >= PUT_BLOCK:
                 put(base + done, data[done:hi])
                 done = hi
@@ -280,33 +283,27 @@ class FileLayout:
         put(0, header)
 
     @functools.cached_property
-    def chunks(self) -> tuple[tuple[int, int, int], ...]:
-        """Each checksum chunk of the data, in order: (its slot's offset in ``header``, its start,
-        its end in the data)."""
+    def chunks(self) -> tuple[tuple[str, int, int, int], ...]:
+        """Each checksum chunk of the data, in order: (its tensor's key, its slot's offset in
+        ``header``, its start and its end in the data)."""
         out = []
         for key, start, end, element_size in self.spans:
             step = CHECKSUM_CHUNK_NUMEL * element_size
-            out += [(self.slots[key] + 9 * i, lo, min(lo + step, end)) for i, lo in enumerate(range(start, end, step))]
+            out += [(key, self.slots[key] + 9 * i, lo, min(lo + step, end))
+                    for i, lo in enumerate(range(start, end, step))]  # fmt: skip
         return tuple(out)
 
     def checksummed_header(self, data: memoryview) -> bytearray:
         """The header with the checksums of ``data`` (the tensors' ``data_size`` bytes, in data order)."""
         header = bytearray(self.header)
-        for slot, lo, hi in self.chunks:  # one small tensor is one chunk: no per-tensor Python
-            header[slot : slot + 8] = b"%08x" % crc32(data[lo:hi])
+        for _, slot, lo, hi in self.chunks:  # one small tensor is one chunk: no per-tensor Python
+            _checksum_into(header, slot, data[lo:hi])
         return header
 
-    def _checksummed(
-        self, header: bytearray, key: str, data: memoryview, start: int, end: int, element_size: int
-    ) -> Iterator[tuple[int, int]]:
-        """Each chunk ``[lo, hi)`` of tensor ``key``'s bytes ``data[start:end]``, once its CRC-32 is
-        in its slot of ``header``."""
-        step = CHECKSUM_CHUNK_NUMEL * element_size
-        slot = self.slots[key]
-        for i, lo in enumerate(range(start, end, step)):
-            hi = min(lo + step, end)
-            header[slot + 9 * i : slot + 9 * i + 8] = b"%08x" % crc32(data[lo:hi])
-            yield lo, hi
+
+def _checksum_into(header: bytearray, slot: int, chunk: memoryview) -> None:
+    """Fill the checksum slot at ``slot`` of ``header`` with ``chunk``'s CRC-32 (8 hex digits)."""
+    header[slot : slot + 8] = b"%08x" % crc32(chunk)
 
 
 def piece_layouts(shard: dict[str, torch.Tensor], extras: dict[str, torch.Tensor]) -> list[tuple[str, FileLayout]]:
