@@ -46,8 +46,9 @@ def parse_args(argv=None) -> tuple[str | None, str | None, RayFinetuneConfig]:
     hints = typing.get_type_hints(RayFinetuneConfig)
     for f in dataclasses.fields(RayFinetuneConfig):
         flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        if hints[f.name] is bool:
-            p.add_argument(flag, action="store_true", help=help)
+        if hints[f.name] is bool:  # --flag, or --flag/--no-flag where it is on by default
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            p.add_argument(flag, action=action, default=None, help=help)
         else:
             kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
             kind = kinds[0] if len(kinds) == 1 else str  # e.g. num_workers "2" or "1-4": the config parses it
@@ -56,7 +57,7 @@ def parse_args(argv=None) -> tuple[str | None, str | None, RayFinetuneConfig]:
             p.add_argument(flag, type=kind, default=None, help=shown)
     a = p.parse_args(argv)
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(RayFinetuneConfig)}
-    given = {k: v for k, v in given.items() if v is not None and v is not False}
+    given = {k: v for k, v in given.items() if v is not None}
     if "storage_path" in given and "://" not in given["storage_path"]:
         given["storage_path"] = os.path.abspath(given["storage_path"])
     given.setdefault("name", f"{RayFinetuneConfig().name}_{time.strftime('%Y%m%d-%H%M%S')}")  # a new run

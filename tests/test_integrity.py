@@ -97,6 +97,7 @@ def _one_replica(rank, world_size, target):
 
     def corrupt(step):  # rank 1's copy goes wrong after step 4's all-gather, for EVERY steps
         if rank == 1 and 5 <= step < 5 + EVERY:
+            opt.wait_for_params()  # the fault strikes the landed params, not a gather still in flight
             with torch.no_grad():
                 param.view(-1)[2] += 0.5
 

@@ -9,9 +9,11 @@ from hf_lowzero.zero.backward import MAX_IN_FLIGHT
 from tests.models import BranchyNet, batch, make_inner
 
 
-def memory_body(rank: int, world_size: int, stage: int) -> None:
+def memory_body(rank: int, world_size: int, stage: int, overlap: bool) -> None:
     model = BranchyNet()
-    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001)
+    opt = LowLevelZeroOptimizer(
+        model, make_inner("adamw", model), stage=stage, reduce_bucket_mb=0.001, overlap_allgather=overlap
+    )
     trainable_numel = sum(s.param.numel() for s in opt.slots)
     rows = sum(s.shard.shard_numel for s in opt.slots)  # this rank's row elements, padding included
     assert rows * world_size - trainable_numel < world_size * len(opt.slots)  # padding < W per param
@@ -33,10 +35,15 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     largest_bucket = max(b.row_numel for b in opt.buckets) * world_size * 4
     assert len(opt.buckets) > 3 * MAX_IN_FLIGHT and report.comm_buffers <= 2 * MAX_IN_FLIGHT * largest_bucket
 
-    opt.step()  # the all-gathers reuse the pool: it does not grow
+    opt.step()
     report = opt.memory_report()
-    assert len(opt.reducer.pool.tensors()) <= 2 * MAX_IN_FLIGHT
-    assert report.comm_buffers <= 2 * MAX_IN_FLIGHT * largest_bucket
+    if overlap:  # [Note: overlapped all-gather]: every bucket's gather is alive until the next forward
+        gathered = 4 * sum(s.shard.padded_numel for s in opt.slots)  # one fp32 copy of the trainable params
+        assert gathered <= report.comm_buffers <= gathered + 2 * MAX_IN_FLIGHT * largest_bucket
+        opt.wait_for_params()  # they go back to the pool, which keeps them for the next step
+    else:  # at most two gathers in flight, reusing the pool: it does not grow
+        assert len(opt.reducer.pool.tensors()) <= 2 * MAX_IN_FLIGHT
+        assert report.comm_buffers <= 2 * MAX_IN_FLIGHT * largest_bucket
     used = [s for s in opt.slots if not s.name.startswith("never.")]
     exp_avg_and_sq = sum(2 * 4 * s.shard.shard_numel for s in used)
     step_counters = 4 * len(used)  # AdamW keeps a float32 scalar step per param it has stepped
@@ -49,6 +56,6 @@ def memory_body(rank: int, world_size: int, stage: int) -> None:
     assert sharded == pytest.approx((4 * trainable_numel + 8 * used_numel) / world_size, rel=0.01)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_memory_report_counts_live_bytes(stage):
-    run_distributed(memory_body, 2, stage=stage)
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True)])
+def test_memory_report_counts_live_bytes(stage, overlap):
+    run_distributed(memory_body, 2, stage=stage, overlap=overlap)

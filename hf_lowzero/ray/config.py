@@ -32,6 +32,7 @@ TRAINING_ARGUMENT_NAMES = {
     "num_to_keep": "save_total_limit",
     "verify_every": "zero_verify_every",
     "on_mismatch": "zero_on_mismatch",
+    "overlap_allgather": "zero_overlap_allgather",
 }
 # What every worker of the job trains with, whatever the flags: a checkpoint every save_steps, a
 # loss line every step (ConsoleProgress), no integrations, no tqdm (one line per step instead).
@@ -77,6 +78,8 @@ class RayFinetuneConfig:
             ``gradient_accumulation_steps`` for each attempt's world size to keep it.
         bf16: bf16 params with fp32 master rows.
         offload_optimizer: Keep the fp32 master rows, optimizer state and gradient rows in host memory.
+        overlap_allgather: Hide the all-gather of updated params behind the next forward
+            (``--no-overlap-allgather``: the step waits for it).
         zero_config: Other ``ZeroConfig`` fields as a JSON object.
         model_name_or_path: A local ``save_pretrained`` directory; None: a tiny GPT-2.
         train_file: A plain-text corpus; None: the one shipped with hf_lowzero.
@@ -149,6 +152,9 @@ class RayFinetuneConfig:
     )
     bf16: bool = _opt(False, "bf16 params with fp32 master rows")
     offload_optimizer: bool = _opt(False, "fp32 master rows, optimizer state and gradient rows in host memory")
+    overlap_allgather: bool = _opt(
+        True, "hide the all-gather of updated params behind the next forward (--no-overlap-allgather: the step waits)"
+    )
     zero_config: str | None = _opt(None, "other ZeroConfig fields as JSON")
     model_name_or_path: str | None = _opt(None, "local save_pretrained directory (default: a tiny GPT-2)")
     train_file: str | None = _opt(None, "plain-text corpus (default: the one shipped with hf_lowzero)")

@@ -43,6 +43,7 @@ from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
 from hf_lowzero.zero import device as dev
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PHASES = ("forward", "backward", "step", "gather")  # where host syncs are counted
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class GpuCase:
     partition: str = "rows"  # "rows" (AdamW, row shards) or "params" (Adafactor, whole-param ownership)
     master_dtype: str = "fp32"
     steps: int = 2
+    overlap_allgather: bool = True  # the gathers left in flight after the step ([Note: overlapped all-gather])
+    head_outside: bool = False  # the model reads the head's weight outside the head's forward (a stale read)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES or self.partition not in ("rows", "params") or self.stage not in (1, 2):
@@ -69,6 +72,8 @@ class GpuCase:
         parts += ["offload"] * self.offload + [f"{self.accumulation} micro-batches"] * (self.accumulation > 1)
         parts += ["unused params"] * self.unused + ["whole params"] * (self.partition == "params")
         parts += ["bf16 masters"] * (self.master_dtype == "bf16")
+        parts += ["gathers waited in the step"] * (not self.overlap_allgather)
+        parts += ["head read outside its module"] * self.head_outside
         return ", ".join(parts)
 
 
@@ -86,6 +91,7 @@ class RankRun:
     caching_pinned: list[str]  # allocations through torch's caching host allocator (rounded up)
     host_tensors_saved: int  # tensors that reached the checkpoint writer (all on the host)
     exported_states: int  # state entries of the full optimizer state dict (rank 0)
+    syncs: list[dict[str, int]]  # per step: host syncs per phase (forward, backward, step, gather)
 
 
 @dataclass
@@ -117,11 +123,12 @@ class SimNet(nn.Module):
         self.head = nn.Linear(40, 97)
         self.scale = nn.Parameter(torch.ones(7))
 
-    def forward(self, ids: torch.Tensor, use_branch: bool) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, use_branch: bool, head_outside: bool = False) -> torch.Tensor:
         h = torch.tanh(self.body(self.frozen(self.embed(ids))))
         if use_branch:
             h = h + torch.tanh(self.branch(h))
-        return self.head(h).float().logsumexp(-1).mean() * self.scale[:3].sum()
+        logits = nn.functional.linear(h, self.head.weight, self.head.bias) if head_outside else self.head(h)
+        return logits.float().logsumexp(-1).mean() * self.scale[:3].sum()
 
 
 class ModalAdamW(torch.optim.AdamW):
@@ -190,20 +197,29 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
             master_dtype=case.master_dtype,
             reduce_bucket_mb=0.004,  # several buckets, launched while backward runs
             clip_grad_norm=1.0,
+            overlap_allgather=case.overlap_allgather,
         )
         opt = LowLevelZeroOptimizer(model, inner, config)
         ids = torch.zeros(4, 9, dtype=torch.long, device=device)
         stager = None
+        syncs = []
         for step in range(case.steps):
+            checker.syncs.clear()
+            checker.sync_sites.clear()
             for micro in range(case.accumulation):
                 last = micro == case.accumulation - 1
                 local = opt.no_sync() if case.stage == 1 and not last else contextlib.nullcontext()
                 with local:
-                    loss = model(ids, use_branch=not case.unused or rank % 2 == 0) / case.accumulation
-                    opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            if step == 0:  # a memory snapshot's copy, in flight while the Trainer evaluates
+                    with ops.phase("forward"):
+                        use_branch = not case.unused or rank % 2 == 0
+                        loss = model(ids, use_branch, case.head_outside) / case.accumulation
+                    with ops.phase("backward"):
+                        opt.backward(loss)
+            with ops.phase("step"):
+                opt.step()
+                opt.zero_grad()
+            syncs.append({phase: checker.syncs[phase] for phase in PHASES} | {"sites": list(checker.sync_sites)})
+            if step == case.steps - 1:  # a memory snapshot's copy, in flight while the Trainer evaluates
                 optimizer_pinned = sum(ops.pinned_allocations)
                 stager = ShardStager(opt)
                 staged = stager.stage(step)
@@ -229,6 +245,7 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
         caching_pinned=list(checker.caching_pinned),
         host_tensors_saved=len(saved),
         exported_states=len(exported["state"]) if exported is not None else 0,
+        syncs=syncs,
     )
 
 
@@ -277,11 +294,12 @@ def check_cases(cases: list[GpuCase]) -> list[CaseResult]:
 
 def default_cases() -> list[GpuCase]:
     """Stages 1 and 2 at W=2 and 4, with offload, fp16/bf16/fp32, accumulation, unused params,
-    whole-parameter ownership and bf16 masters."""
+    whole-parameter ownership, bf16 masters, and the all-gathers waited in the step or left in flight."""
     cases = []
     for world_size in (2, 4):
         cases += [
             GpuCase(world_size, stage=2, dtype="bf16"),
+            GpuCase(world_size, stage=2, dtype="bf16", overlap_allgather=False),
             GpuCase(world_size, stage=1, dtype="fp16", accumulation=3, unused=True),
             GpuCase(world_size, stage=2, dtype="fp32", offload=True, accumulation=2),
             GpuCase(world_size, stage=2, dtype="bf16", offload=True, unused=True),

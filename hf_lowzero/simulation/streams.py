@@ -31,6 +31,9 @@ Example::
 # Each storage remembers, per byte range, who wrote it last and who read it since; a read must see
 # the writes it overlaps, a write also the reads. A view's range is the span its elements cover.
 # Not modelled: the caching allocator's reuse of freed memory (``record_stream``'s concern).
+# Every point where the host waits for a stream (a scalar read, a blocking copy, an event
+# synchronized) is a host sync, counted against the phase the host is in (``syncs``). A read of a
+# param whose all-gather is in flight (``FakeCudaOps.mark_stale``) raises ``StaleReadError``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -50,6 +54,11 @@ HOST = "host"
 
 class RaceError(RuntimeError):
     """Two accesses of one storage that CUDA would not order: a real GPU could run them either way."""
+
+
+class StaleReadError(RuntimeError):
+    """A param read while its all-gather is in flight: it holds the previous step's values
+    ([Note: overlapped all-gather] in ``zero/allgather.py``)."""
 
 
 @dataclass(eq=False)
@@ -94,6 +103,10 @@ class AccessChecker(TorchDispatchMode):
         self.pinned: set[int] = set()
         self.caching_pinned: list[str] = []  # allocations through torch's caching host allocator
         self.accesses = 0
+        self.stale: dict[int, str] = {}  # storage -> the param's name, while its all-gather is in flight
+        self.phase = "setup"  # what the host is doing: forward, backward, step, gather (set by the driver)
+        self.syncs: Counter = Counter()  # host syncs per phase: the host waited for a stream
+        self.sync_sites: list[tuple[str, str]] = []  # (phase, the hf_lowzero line that made it), in order
         self._names = itertools.count(1)
 
     # ------------------------------------------------------------------ streams and events
@@ -111,6 +124,13 @@ class AccessChecker(TorchDispatchMode):
 
     def snapshot(self, context) -> dict:
         return dict(self._clock(context))
+
+    def host_sync(self, clock: dict) -> None:
+        """The host waits until a stream reached ``clock`` (an event's, or a stream's now): counted
+        against the current phase."""
+        self.syncs[self.phase] += 1
+        self.sync_sites.append((self.phase, _caller()))
+        self.merge(HOST, clock)
 
     def merge(self, context, clock: dict) -> None:
         mine = self._clock(context)
@@ -146,6 +166,13 @@ class AccessChecker(TorchDispatchMode):
                 self._touch(t, key, clock, time, what, write=True)
 
     def _touch(self, t: torch.Tensor, key, clock: dict, time: int, what: str, write: bool) -> None:
+        if not write and self.stale and _storage(t) in self.stale:
+            raise StaleReadError(
+                f"{what} reads parameter {self.stale[_storage(t)]!r} while its all-gather is in flight: on a GPU it "
+                "would see the previous step's values. A param must be read in the forward of a module that holds "
+                "it, or after LowLevelZeroOptimizer.wait_for_params() ([Note: overlapped all-gather] in "
+                "zero/allgather.py)."
+            )
         state = self._history(t)
         start, end = _span(t)
         kept = []
@@ -186,7 +213,7 @@ class AccessChecker(TorchDispatchMode):
             (t,) = args
             if t.device.type == "cuda":
                 self.access(self.current_stream(t.device), [t], [], f"{func} (a scalar read on the host)")
-                self.merge(HOST, self.snapshot(self.current_stream(t.device)))  # .item() waits for the stream
+                self.host_sync(self.snapshot(self.current_stream(t.device)))  # .item() waits for the stream
             else:
                 self.access(HOST, [t], [], str(func))
             return True if t.dtype == torch.bool else 1 if not t.is_floating_point() else 1.0
@@ -234,7 +261,7 @@ class AccessChecker(TorchDispatchMode):
         asynchronous = non_blocking and all(_storage(t) in self.pinned for t in host)
         self.access(stream, inputs, outputs, what + (" (non-blocking, pinned)" if asynchronous else ""))
         if not asynchronous:
-            self.merge(HOST, self.snapshot(stream))
+            self.host_sync(self.snapshot(stream))
 
 
 class FakeCudaOps:
@@ -277,7 +304,13 @@ class FakeCudaOps:
         self.checker.merge(stream, self.checker.snapshot(other))
 
     def host_waits(self, event: FakeEvent) -> None:
-        self.checker.merge(HOST, event.clock)
+        self.checker.host_sync(event.clock)
+
+    def event_done(self, event: FakeEvent) -> bool:
+        # Known done only when the host already waited past it (a later sync covered it); otherwise the
+        # query answers "not yet", the answer a real GPU gives when the work is slow.
+        host = self.checker.snapshot(HOST)
+        return all(host.get(context, -1) >= time for context, time in event.clock.items())
 
     def keep_alive(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         pass  # the fake allocator never reuses memory ([Note: ordering model])
@@ -298,6 +331,22 @@ class FakeCudaOps:
 
     def pinned_footprint(self, tensor: torch.Tensor) -> int:
         return tensor.untyped_storage().nbytes() if _storage(tensor) in self.checker.pinned else 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        previous, self.checker.phase = self.checker.phase, name
+        try:
+            yield
+        finally:
+            self.checker.phase = previous
+
+    def mark_stale(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        for t, name in zip(tensors, names):
+            self.checker.stale[_storage(t)] = name
+
+    def mark_current(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self.checker.stale.pop(_storage(t), None)
 
 
 # Ops that read no data of their tensor inputs (only shape, dtype and device).
@@ -356,3 +405,13 @@ def _mutated(func, args, kwargs) -> list[torch.Tensor]:
 
 def _name(key) -> str:
     return "the host" if key == HOST else f"the {key[1]} stream of cuda:{key[0]}"
+
+
+def _caller() -> str:
+    """The innermost hf_lowzero line outside this simulation on the stack: where a host sync came from."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        if "hf_lowzero" in frame.filename and "simulation" not in frame.filename:
+            return f"{frame.filename.rsplit('hf_lowzero/', 1)[-1]}:{frame.lineno} {frame.line}"
+    return "?"

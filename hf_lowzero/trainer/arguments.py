@@ -39,6 +39,7 @@ class ZeroArguments:
     zero_device_memory: str | None
     zero_reduce_bucket_mb: float | None
     zero_overlap_communication: bool | None
+    zero_overlap_allgather: bool | None
     zero_communication_dtype: str | None
     zero_offload_optimizer: bool | None
     zero_partition: str | None
@@ -89,6 +90,7 @@ class ZeroArguments:
         flags = {
             "reduce_bucket_mb": self.zero_reduce_bucket_mb,
             "overlap_communication": self.zero_overlap_communication,
+            "overlap_allgather": self.zero_overlap_allgather,
             "communication_dtype": self.zero_communication_dtype,
             "offload_optimizer": self.zero_offload_optimizer,
             "partition": self.zero_partition,
@@ -97,6 +99,10 @@ class ZeroArguments:
             "on_mismatch": self.zero_on_mismatch,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
+        if self.torch_compile and "overlap_allgather" not in base:
+            # The forward pre-hooks that wait for each bucket's gather would break the compiled graph
+            # at every module ([Note: overlapped all-gather] in zero/allgather.py): step() waits instead.
+            base["overlap_allgather"] = False
         stage = 2 if self.zero_stage in (0, "auto") else self.zero_stage
         base.update({"stage": stage, "clip_grad_norm": float(self.max_grad_norm or 0.0)} | overrides)
         try:
@@ -122,6 +128,9 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         zero_reduce_bucket_mb: MiB of gradient per reduction bucket (``ZeroConfig.reduce_bucket_mb``).
         zero_overlap_communication: Overlap gradient reduction with backward
             (``ZeroConfig.overlap_communication``).
+        zero_overlap_allgather: Leave the all-gather of updated params in flight after the step, each
+            module's forward waiting for its own (``ZeroConfig.overlap_allgather``; default on, off with
+            ``torch_compile``).
         zero_communication_dtype: The dtype of gradient reductions: ``"fp32"``, ``"bf16"`` or ``"fp16"``
             (default: the params' dtype).
         zero_offload_optimizer: Keep the fp32 master weights, optimizer state and gradient rows in host
@@ -158,6 +167,13 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
     )
     zero_overlap_communication: bool | None = field(
         default=None, metadata={"help": "Overlap gradient reduction with backward (True)"}
+    )
+    zero_overlap_allgather: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Hide the all-gather of updated params behind the next forward: each module waits for its "
+            "own params (True; False with --torch_compile)"
+        },
     )
     zero_communication_dtype: str | None = field(
         default=None, metadata={"help": "dtype of gradient reductions: fp32, bf16, fp16 (default: the params' dtype)"}

@@ -51,6 +51,7 @@ from hf_lowzero.checkpoint import load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, ZeroArguments
 from hf_lowzero.trainer.auto import resolve_auto_stage
+from hf_lowzero.trainer.callbacks import gate_callbacks
 from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
@@ -102,6 +103,7 @@ class LowZeroTrainer(Trainer):
         self.zero_optimizer: LowLevelZeroOptimizer | None = None
         if self.zero_enabled:
             check_trainer_flags(self)
+            gate_callbacks(self.callback_handler, self._wait_for_params)
 
     @property
     def zero_enabled(self) -> bool:
@@ -141,6 +143,37 @@ class LowZeroTrainer(Trainer):
         # number steps as the Trainer does (a resumed run goes on counting from its checkpoint).
         self.zero_optimizer.integrity.step = self.state.global_step + 1
         self.zero_optimizer.backward(loss, **kwargs)
+
+    def _wait_for_params(self) -> None:
+        # [Note: params are current] in zero/allgather.py
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.wait_for_params()
+
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``, once every param holds its value from the last step.
+
+        Args:
+            *args (Any): ``Trainer.evaluate``'s arguments.
+            **kwargs (Any): ``Trainer.evaluate``'s keyword arguments.
+
+        Returns:
+            (dict[str, float]): The metrics.
+        """
+        self._wait_for_params()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """``Trainer.predict``, once every param holds its value from the last step.
+
+        Args:
+            *args (Any): ``Trainer.predict``'s arguments.
+            **kwargs (Any): ``Trainer.predict``'s keyword arguments.
+
+        Returns:
+            (transformers.trainer_utils.PredictionOutput): The predictions.
+        """
+        self._wait_for_params()
+        return super().predict(*args, **kwargs)
 
     def _zero_no_sync(self, model=None):
         if self.zero_optimizer is not None and self.zero_optimizer.reducer.allows_no_sync:

@@ -120,6 +120,8 @@ class ZeroConfig:
         stage: 1 (shard optimizer state) or 2 (also shard gradients).
         reduce_bucket_mb: MiB of gradient per reduction bucket (> 0).
         overlap_communication: Reduce each bucket asynchronously during backward as soon as it is complete.
+        overlap_allgather: Leave the all-gather of updated params in flight after ``step()``; each
+            bucket's first forward use waits for it alone.
         clip_grad_norm: Clip the global L2 norm of the averaged gradients to this value (>= 0); 0: no clipping.
         communication_dtype: The dtype of gradient reductions (a name or torch dtype); None: each param's own.
         process_group: The data-parallel process group; None: the default group.
@@ -156,6 +158,14 @@ class ZeroConfig:
     overlap_communication: bool = True
     """Launch a bucket's reduction asynchronously during backward as soon as it is complete
     (in plan order). False reduces every bucket after backward, one at a time."""
+
+    overlap_allgather: bool = True
+    """After ``step()`` leave the all-gathers of the updated params in flight: each module's first
+    forward use waits for its own buckets alone, so the gathers hide behind the next forward
+    ([Note: overlapped all-gather] in ``allgather.py``). Readers of the params outside the forward
+    wait first (``wait_for_params()``). False: ``step()`` returns with every param current. Needs
+    each param to be read in the forward of a module that holds it (a model that reads another
+    module's weight directly is stopped with an error naming it); not with ``torch.compile``."""
 
     clip_grad_norm: float = 0.0
     """Clip the global L2 norm of the averaged gradients to this value; 0 disables clipping.
@@ -251,7 +261,13 @@ class ZeroConfig:
         clip = self.clip_grad_norm
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (clip >= 0 and math.isfinite(clip)):
             raise ValueError(f"ZeroConfig.clip_grad_norm={clip!r} is invalid; expected a finite number >= 0 (0 = off)")
-        for name in ("overlap_communication", "offload_optimizer", "pin_memory", "allow_untested_optimizer"):
+        for name in (
+            "overlap_communication",
+            "overlap_allgather",
+            "offload_optimizer",
+            "pin_memory",
+            "allow_untested_optimizer",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid; expected True or False")
         if self.partition not in PARTITIONS:

@@ -81,6 +81,9 @@ class CudaOps:
     def host_waits(self, event) -> None:
         event.synchronize()
 
+    def event_done(self, event) -> bool:
+        return event.query()
+
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)
 
@@ -110,6 +113,15 @@ class CudaOps:
 
     def pinned_footprint(self, tensor: torch.Tensor) -> int:
         return self._pinned.get(tensor.untyped_storage().data_ptr(), 0)
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def mark_stale(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        pass
+
+    def mark_current(self, tensors: list[torch.Tensor]) -> None:
+        pass
 
 
 def _page_rounded(nbytes: int) -> int:
@@ -176,6 +188,12 @@ def host_waits(event) -> None:
         ops().host_waits(event)
 
 
+def event_done(event) -> bool:
+    """Whether ``event`` completed, asked without waiting (``cudaEventQuery``); True for None. When
+    it says so, the host may read what the work before the event wrote."""
+    return event is None or ops().event_done(event)
+
+
 def keep_alive(tensor: torch.Tensor, stream) -> None:
     """The caching allocator may reuse ``tensor``'s memory only after the work queued on
     ``stream`` so far (``Tensor.record_stream``)."""
@@ -187,6 +205,26 @@ def on_device(device: torch.device | None):
     """Within: ``device`` is the current CUDA device (for torch code that takes the current
     device, such as NCCL's object collectives); nothing changes for a CPU device or None."""
     return ops().on_device(device) if is_cuda(device) else contextlib.nullcontext()
+
+
+def phase(name: str):
+    """Within: the work belongs to ``name`` (``"gather"``), for a simulation that counts host syncs
+    per phase; nothing on a real GPU or the CPU."""
+    return ops().phase(name)
+
+
+def mark_stale(tensors: list[torch.Tensor], names: list[str]) -> None:
+    """``tensors`` (params named ``names``) hold outdated values until :func:`mark_current`: their
+    all-gather is in flight ([Note: overlapped all-gather] in ``allgather.py``). A simulation fails
+    any read of them meanwhile; nothing happens on a real GPU or the CPU."""
+    if tensors and is_cuda(tensors[0].device):
+        ops().mark_stale(tensors, names)
+
+
+def mark_current(tensors: list[torch.Tensor]) -> None:
+    """``tensors`` are about to receive their current values (see :func:`mark_stale`)."""
+    if tensors and is_cuda(tensors[0].device):
+        ops().mark_current(tensors)
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool, zero: bool = True) -> torch.Tensor:

@@ -16,15 +16,21 @@ Example::
 # With offload on CUDA, a bucket's reduced chunk is copied to pinned host memory on a side stream
 # that first waits for an event recorded on the params' device's compute stream after the
 # collective (so the copy never reads a chunk still being reduced; [Note: the params' device] in
-# ``device.py``), while backward goes on. The chunk's allocation is
-# tied to the copy stream (``record_stream``), so the caching allocator cannot reuse it before
-# the copy is done. Every copy records a completion event, and nothing reads (or rewrites) a
-# staging buffer or a host chunk before that event completed: ``chunk()``, the next ``accept`` of
-# the same bucket and ``clear()`` synchronize on it first. On CPU the same path runs with
-# ordinary copies and no events.
+# ``device.py``), while backward goes on. The chunk's allocation is tied to the copy stream
+# (``record_stream``), so the caching allocator cannot reuse it before the copy is done. Every copy
+# records a completion event, and nothing reads (or rewrites) a staging buffer or a host chunk
+# before that event completed. Backward never waits for one ([Note: one host sync per step] in
+# ``step.py``): a later micro-batch's copy of the same bucket asks whether earlier ones completed
+# (``event_done``, a query), adds those into the chunk and reuses their staging buffers, and stages
+# into another buffer otherwise; the step waits once, for the newest copy (copies on one stream
+# complete in order), and adds what is left, micro-batch by micro-batch: the same additions in the
+# same order as before. ``clear()`` waits too, before staging buffers are written again. On CPU the
+# same path runs with ordinary copies and no events.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -79,12 +85,14 @@ class HostGradStore(DeviceGradStore):
     offloaded = True
 
     def __init__(self, buckets: list[Bucket], device: torch.device, pin_memory: bool) -> None:
-        self.device = device
+        self.device, self._buckets = device, buckets
         self.pin = pin_memory and device.type == "cuda"
         self.flat = dev.host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
         self.stream = dev.side_stream(device)  # None on CPU
-        self._staging: dict[int, torch.Tensor] = {}  # bucket index -> host buffer in the comm dtype
-        self._pending: dict[int, tuple] = {}  # bucket index -> (host chunk, staging or None, event or None, first)
+        self._staging: dict[int, list[torch.Tensor]] = {}  # bucket index -> every staging buffer it made
+        self._free: dict[int, list[torch.Tensor]] = {}  # bucket index -> its staging buffers not in use
+        self._pending: dict[int, list[_Copy]] = {}  # bucket index -> its copies not yet added, in order
+        self._last = None  # the event of the newest copy: every earlier one completed before it
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         # On CPU the host chunk are the device's memory: reduce straight into them.
@@ -94,7 +102,8 @@ class HostGradStore(DeviceGradStore):
         chunk = self.view(bucket)
         if same_memory(reduced, chunk):
             return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
-        self._resolve(bucket.index)  # a previous micro-batch's copy of this bucket
+        pending = self._pending.setdefault(bucket.index, [])
+        self._settle(bucket.index, wait=False)  # copies of earlier micro-batches that already landed
         # An fp32 first contribution lands in the host chunk directly; anything to add is staged.
         direct = first and reduced.dtype == GRAD_DTYPE
         target = chunk if direct else self._staging_for(bucket, reduced.dtype)
@@ -107,36 +116,64 @@ class HostGradStore(DeviceGradStore):
             with dev.on_stream(self.stream):
                 target.copy_(reduced, non_blocking=True)
             dev.keep_alive(reduced, self.stream)
-            event = dev.record_event(self.stream)
-        self._pending[bucket.index] = (chunk, None if direct else target, event, first)
+            event = self._last = dev.record_event(self.stream)
+        pending.append(_Copy(None if direct else target, event, first))
+        if self.stream is None:
+            self._settle(bucket.index, wait=False)
 
     def _staging_for(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
-        staging = self._staging.get(bucket.index)
-        if staging is None or staging.dtype != dtype:
-            staging = dev.host_buffer(bucket.row_numel, dtype, self.pin)
-            self._staging[bucket.index] = staging
+        free = self._free.setdefault(bucket.index, [])
+        while free and free[-1].dtype != dtype:  # the communication dtype changed: make new ones
+            free.pop()
+        if free:
+            return free.pop()
+        staging = dev.host_buffer(bucket.row_numel, dtype, self.pin)
+        self._staging.setdefault(bucket.index, []).append(staging)
         return staging
 
-    def _resolve(self, index: int) -> None:
-        entry = self._pending.pop(index, None)
-        if entry is None:
-            return
-        chunk, staging, event, first = entry
-        dev.host_waits(event)  # [Note: host copies]: never read before the copy completed
-        if staging is not None:
-            chunk.copy_(staging) if first else chunk.add_(staging)
+    def _settle(self, index: int, wait: bool) -> None:
+        """Add bucket ``index``'s landed copies into its chunk, in order; with ``wait`` all of them
+        (the caller waited for the newest copy), otherwise those whose copy already completed (a
+        query, never a wait: [Note: host copies])."""
+        pending = self._pending.get(index)
+        while pending and (wait or pending[0].event is None or dev.event_done(pending[0].event)):
+            copy = pending.pop(0)
+            if copy.staging is not None:
+                chunk = self.view(self._buckets[index])
+                chunk.copy_(copy.staging) if copy.first else chunk.add_(copy.staging)
+                self._free.setdefault(index, []).append(copy.staging)
 
     def chunk(self, bucket: Bucket) -> torch.Tensor:
-        self._resolve(bucket.index)
+        self.settle_all()
         return self.view(bucket)
 
-    def clear(self) -> None:
+    def settle_all(self) -> None:
+        """Every copy landed and added: one host wait for the newest (the step's; [Note: host copies])."""
+        if not any(self._pending.values()):
+            return
+        dev.host_waits(self._last)
         for index in list(self._pending):
-            _, _, event, _ = self._pending.pop(index)
-            dev.host_waits(event)  # the staging buffer may be written again only after the copy
+            self._settle(index, wait=True)
+
+    def clear(self) -> None:
+        if any(self._pending.values()):
+            dev.host_waits(self._last)  # a staging buffer may be written again only after its copy
+        self._pending.clear()
+        for index, buffers in self._staging.items():
+            self._free[index] = list(buffers)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.flat, *self._staging.values()]
+        return [self.flat, *(t for buffers in self._staging.values() for t in buffers)]
+
+
+@dataclass(frozen=True, eq=False)
+class _Copy:
+    """A reduced chunk on its way to the host: where it lands (a staging buffer, or None: the chunk
+    itself), the event it completes with (None on CPU), and whether it is the first contribution."""
+
+    staging: torch.Tensor | None
+    event: object
+    first: bool
 
 
 def make_grad_store(buckets: list[Bucket], device: torch.device, offload: bool, pin_memory: bool):

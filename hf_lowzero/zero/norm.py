@@ -17,7 +17,8 @@ Example::
 # in float64, one vectorized reduction per row: per bucket, not per parameter.
 # An fp32 square overflows above 1.8e19, where float64 would not; a non-finite result is therefore
 # recomputed in float64, so only gradients that are truly inf/nan make the norm non-finite (a
-# skipped step), exactly as before.
+# skipped step), exactly as before. The step asks only once its one host sync has brought the
+# all-reduced total back (``step.py``): ``blocked_squared_norm`` itself never looks at a value.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ NORM_BLOCK = 1024  # elements per fp32 partial norm
 def squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of every element of ``rows`` (1D tensors of any float dtype, one device),
     as a 0-d float64 tensor on their device (CPU when ``rows`` is empty). See [Note: blocked norm]."""
+    total = blocked_squared_norm(rows)
+    if not torch.isfinite(total):  # an fp32 square overflowed, or a gradient is inf/nan: float64 decides
+        total = float64_squared_norm(rows)
+    return total
+
+
+def blocked_squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``squared_norm`` without the float64 fallback: fp32 block norms summed in float64, on the
+    rows' device, never read on the host (not finite when a square overflowed fp32)."""
     partial = []
     for row in rows:
         whole = row.numel() - row.numel() % NORM_BLOCK
@@ -40,10 +50,7 @@ def squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:
             partial.append(torch.linalg.vector_norm(row[whole:], dtype=torch.float32).reshape(1))
     if not partial:
         return torch.zeros((), dtype=torch.float64)
-    total = torch.cat(partial).double().square().sum()
-    if not torch.isfinite(total):  # an fp32 square overflowed, or a gradient is inf/nan: float64 decides
-        total = float64_squared_norm(rows)
-    return total
+    return torch.cat(partial).double().square().sum()
 
 
 def float64_squared_norm(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -37,6 +37,7 @@ from torch.profiler import record_function
 from hf_lowzero.zero import comm
 from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.adopt import adopt_inner_optimizer, held_piece
+from hf_lowzero.zero.allgather import ParamGather, stale_read_message
 from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.buffers import BufferPool
@@ -55,9 +56,10 @@ from hf_lowzero.zero.reducer import BucketReducer
 from hf_lowzero.zero.shard_state import ShardParts, load_shard_state, shard_state_dict
 from hf_lowzero.zero.step import (
     SkipCounts,
+    StepStats,
+    StepVerdict,
     UnusedMask,
     count_skipped_step,
-    global_norm_and_usage,
     scale_rows,
     unscale_clip_coef,
 )
@@ -174,9 +176,19 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             pool,
             self.integrity,
         )
-        group, cfg = self.process_group, self.config
-        where = (self.rank, self.world_size, group, self.device)
-        self.master = MasterRows(self.slots, self.buckets, *where, offload, pin, pool, cfg.master_dtype)
+        cfg = self.config
+        self.master = MasterRows(
+            self.slots, self.buckets, rank=self.rank, device=self.device, offload=offload, pin_memory=pin,
+            dtype=cfg.master_dtype,
+        )  # fmt: skip
+        self._gather = ParamGather(
+            self.slots, self.buckets, self.master.flat, self.master.gate, world_size=self.world_size,
+            group=self.process_group, device=self.device, pool=pool, defer=cfg.overlap_allgather,
+        )  # fmt: skip
+        self._gather.attach(model)  # [Note: overlapped all-gather]
+        self._stats = StepStats(len(self.slots), self.device, self.process_group)
+        self._stale_candidates: list[int] = []  # slots whose gathers were pending when the last backward began
+        self._stale_reads: list[int] = []  # slots read before their gathers landed, in this step
         self._precision = make_master_precision(
             self.master.flat, self.slots, cfg.master_rounding, cfg.master_rounding_seed, self.rank
         )
@@ -219,7 +231,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.buckets,
             self.reducer,
             self.config.overlap_communication,
-            guard=self._guard.check,
+            guard=self._before_backward,
         )
 
         # Not Optimizer.__init__: it would build param groups and state of its own. The hook
@@ -279,6 +291,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Returns:
             The state dict; its tensors are the live ones, not copies.
         """
+        self.wait_for_params()  # [Note: params are current]
         return shard_state_dict(self._shard)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -296,6 +309,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 dict, or of another rank or world size, partition, model, param groups or loss scaler);
                 nothing was changed.
         """
+        self.wait_for_params()  # the gathers in flight read the masters this replaces
         load_shard_state(self._shard, state_dict)
 
     def train(self) -> None:
@@ -313,6 +327,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _switch_mode(self, mode: str) -> None:
         switch = getattr(self.optim, mode, None)
         if callable(switch):
+            self.wait_for_params()
             self.master.gate.before_write()  # [Note: one gate for the shard's writers]
             with self._precision.stepping():
                 switch()  # moves the masters this rank holds
@@ -334,13 +349,40 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync.reset()
         self.reducer.clear()
         self._pending_norm = None
+        self._stale_candidates, self._stale_reads = [], []
         self.integrity.discard()
 
     def copy_master_to_params(self) -> None:
         """Write the master rows back into the model's params (all-gather, bucketed, in the
-        params' dtype). Collective. ``step()`` does this itself; checkpoint loading calls it.
+        params' dtype) and wait for them. Collective. ``step()`` does this itself (leaving the
+        gathers in flight with ``overlap_allgather``); checkpoint loading calls it.
         """
-        self.master.copy_to_params()
+        self._gather.issue(defer=False)
+
+    @property
+    def gathers_in_flight(self) -> list[int]:
+        """The buckets whose all-gathers are still in flight after the step, in the order they were
+        issued (the next forward's): empty once every param is current."""
+        return list(self._gather.pending)
+
+    def wait_for_params(self) -> None:
+        """Wait until every param holds its value from the last step.
+
+        With ``overlap_allgather`` (the default) ``step()`` returns with the all-gathers of the
+        updated params in flight, and each module's forward waits for its own ([Note: overlapped
+        all-gather] in ``allgather.py``). Everything else that reads params between ``step()`` and
+        the next forward must call this first: an EMA of the weights, a metric computed from them,
+        ``torch.save(model.parameters())``. ``model.state_dict()``, this optimizer's ``state_dict()``,
+        checkpoints, the next ``backward()`` and ``step()`` call it themselves; so does the Trainer
+        before evaluation, saving and callbacks. Local; free when nothing is in flight.
+
+        Example::
+
+            opt.step()
+            opt.wait_for_params()
+            ema.update(model.parameters())
+        """
+        self._gather.wait_all()
 
     def register_shard_reader(self, event) -> None:
         """An asynchronous copy of this rank's shard (master rows, optimizer state) completes with
@@ -360,6 +402,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         from a checkpoint without optimizer state, ``load_best_model_at_end``); optimizer state is
         kept. With 16-bit params the masters become the 16-bit values.
         """
+        self.wait_for_params()
         self.master.copy_from_params()
 
     def remove_hooks(self) -> None:
@@ -371,6 +414,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         for handle in self._sync.hook_handles:
             handle.remove()
         self._sync.hook_handles = []
+        self._gather.detach()
 
     # ----------------------------------------------------------------------------- backward
 
@@ -391,7 +435,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 itself propagate; call ``zero_grad()`` before the next backward then.
         """
         self._sync.check_finished("run backward")
-        self._guard.check()
+        self._before_backward()
         self.integrity.begin_step()  # [Note: integrity checks]: the params as this step's forward saw them
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
@@ -464,9 +508,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync.check_finished("step")
         self._guard.check()
         self._groups.check_sizes()
+        self.wait_for_params()  # a step without a forward since the last one: the masters are read
         with record_function("hf_lowzero::grad_norm"):
-            reduced, scaled_norm, used = self._norm_and_usage()
-        if not math.isfinite(scaled_norm):
+            reduced, verdict = self._norm_and_usage()
+        if not math.isfinite(verdict.scaled_norm):
             self.last_step_applied = False
             why = self.integrity.nonfinite_text()
             if why and self.rank == 0:
@@ -478,7 +523,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
         scale_rows(reduced, unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale))
-        self._update(used)
+        self._update(verdict.used)
         self.scaler.update(overflow=False)
         self.counts.consecutive = 0
         self.integrity.end_step(skipped_nonfinite=False)
@@ -491,16 +536,17 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         slot; None leaves the masks as the last step set them: none on a fresh optimizer), sync
         hyperparameters, step the inner optimizer on the masters, write them back into the params.
         Nothing here reads tensor data on the host, so it also runs under ``FakeTensorMode`` (a
-        memory planner calls ``_update(None)``).
+        memory planner calls ``_update(None)``). With ``overlap_allgather`` the gathers are left in
+        flight ([Note: overlapped all-gather]).
         """
         if used is not None:
             self._unused_mask.apply(used)
         self._groups.sync()
         self.master.gate.before_write()  # [Note: one gate for the shard's writers]
-        with record_function("hf_lowzero::inner_step"), self._precision.stepping():
-            self.optim.step()
-        with record_function("hf_lowzero::copy_master_to_params"):
-            self.copy_master_to_params()
+        with record_function("hf_lowzero::inner_step"), self._precision.stepping(), dev.phase("inner_step"):
+            self.optim.step()  # whatever it syncs is its own, as without ZeRO (torch's Adafactor reads its step)
+        with record_function("hf_lowzero::all_gather_issue"):
+            self._gather.issue()
 
     def grad_norm(self) -> float:
         """Global L2 norm of this step's averaged, unscaled gradients (before clipping). Collective.
@@ -519,15 +565,34 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._norm_and_usage()  # sets last_grad_norm
         return self.last_grad_norm
 
-    def _norm_and_usage(self):
+    def _norm_and_usage(self) -> tuple[list[torch.Tensor | None], StepVerdict]:
         self._sync.flush_loose()  # [Note: one hook per bucket]: gradients no backward flushed
         self.integrity.verify()  # raises IntegrityError on every rank, before anything is updated
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
             reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
-            scaled_norm, used = global_norm_and_usage(reduced, self._sync.used, self.device, self.process_group)
-            self.last_grad_norm = scaled_norm / self.scaler.scale
-            self._pending_norm = (self._sync.grad_version, reduced, scaled_norm, used)
+            self._close_stale_candidates()
+            stale = self._stale_reads
+            verdict = self._stats.decide(reduced, self._sync.used, len(stale))  # [Note: one host sync per step]
+            if verdict.stale_reads:
+                raise RuntimeError(stale_read_message([self.slots[i].name for i in sorted(stale)], self.rank))
+            self.last_grad_norm = verdict.scaled_norm / self.scaler.scale
+            self._pending_norm = (self._sync.grad_version, reduced, verdict)
         return self._pending_norm[1:]
+
+    def _before_backward(self) -> None:
+        """Once per backward, before a bucket can launch: the wrap guard, and the params whose
+        gathers are still pending: their modules' forward never ran, so a gradient for one of them
+        means the forward read it before it landed ([Note: overlapped all-gather]). They land at the
+        step, after backward (landing now would change tensors autograd saved)."""
+        self._guard.check()
+        self._close_stale_candidates()
+        self._stale_candidates = self._gather.stale_slots()
+
+    def _close_stale_candidates(self) -> None:
+        """The candidates of the last backward that got a gradient in it were read stale."""
+        used, params = self._sync.used, self._sync.params
+        self._stale_reads += [i for i in self._stale_candidates if used[i] or params[i].grad is not None]
+        self._stale_candidates = []
 
     @property
     def skipped_steps(self) -> int:

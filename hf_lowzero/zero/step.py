@@ -3,8 +3,9 @@ the one unscale-and-clip factor, masking params used on no rank, and skipping a 
 
 Example::
 
-    scaled_norm, used = global_norm_and_usage(reduced_chunks, sync.used, device, group)  # collective
-    coef = unscale_clip_coef(scaled_norm / loss_scale, clip=1.0, loss_scale=loss_scale)
+    stats = StepStats(len(slots), device, group)
+    verdict = stats.decide(reduced_chunks, sync.used, stale_reads=0)   # collective, one host sync
+    coef = unscale_clip_coef(verdict.scaled_norm / loss_scale, clip=1.0, loss_scale=loss_scale)
     scale_rows(reduced_chunks, coef)          # [Note: one multiply]
     mask = UnusedMask(inner_params, inner_grads)
     mask.apply(used)                          # masters of params used on no rank get grad=None
@@ -21,11 +22,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from hf_lowzero.zero import comm
+from hf_lowzero.zero import device as dev
 from hf_lowzero.zero.config import ZeroConfig
 from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
-from hf_lowzero.zero.norm import squared_norm
+from hf_lowzero.zero.norm import blocked_squared_norm, float64_squared_norm
 
 
 @dataclass
@@ -36,20 +39,66 @@ class SkipCounts:
     consecutive: int = 0
 
 
-def global_norm_and_usage(
-    reduced: list[torch.Tensor | None], used: torch.Tensor, device: torch.device, group
-) -> tuple[float, torch.Tensor]:
-    """One all-reduce: the global L2 norm of the (scaled) averaged gradients, and which params got
-    a gradient on any rank (bool per slot; DDP's unused-parameter detection). ``used`` is this
-    rank's flags. Padding rows are zero, so the norm equals ``clip_grad_norm_`` over the full
-    gradients; any inf/nan makes it non-finite. Collective."""
-    # Computed where the rows live (host memory with offload), reduced on the params' device;
-    # fp32 block norms summed in float64 ([Note: blocked norm]).
-    square_sum = squared_norm([chunk for chunk in reduced if chunk is not None]).reshape(1)
-    stats = torch.cat([square_sum.to(device), used.to(torch.float64).to(device)])
-    comm.all_reduce(stats, group)
-    stats = stats.cpu()
-    return math.sqrt(stats[0].item()), stats[1:] > 0
+# [Note: one host sync per step]
+# The step must know three things before it updates: the global norm (clip factor, and whether any
+# gradient is inf/nan: skip), which params got a gradient on any rank (masking), and whether any
+# rank read a param before its all-gather landed ([Note: overlapped all-gather] in
+# ``allgather.py``). They travel in one float64 vector: its host part (the flags, known on the
+# host) goes to the device through a page-locked buffer without waiting, the squared norm is
+# written on the device, one all-reduce sums it, and one copy brings it back: the step's only host
+# sync (on a verify step the integrity table comes back in the same copy). Only when the total is
+# not finite does the float64 norm decide ([Note: blocked norm] in ``norm.py``): every rank sees the
+# same total, so all take that rare second round together.
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What the ranks decided together: the (scaled) global norm, the params used on any rank, the
+    number of params some rank read before their gather landed, and whatever rode along."""
+
+    scaled_norm: float
+    used: torch.Tensor  # bool per slot, on the host
+    stale_reads: int
+    extra: torch.Tensor | None  # the ``extra`` tensor given to ``decide``, on the host
+
+
+class StepStats:
+    """The buffers of [Note: one host sync per step] for ``slots`` params on ``device``."""
+
+    def __init__(self, slots: int, device: torch.device, group) -> None:
+        self.device, self.group, self.slots = device, group, slots
+        # [squared norm, stale reads, used flags...]; written by the host, read by a non-blocking copy
+        self.host = dev.host_buffer(2 + slots, torch.float64, pin=dev.is_cuda(device))
+
+    def decide(
+        self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None
+    ) -> StepVerdict:
+        """Collective: one all-reduce and one host sync. ``reduced``: this rank's gradient chunks
+        (on the device, or in host memory with offload); ``used``: this rank's flags (bool per
+        slot, host); ``stale_reads``: this rank's count; ``extra``: a float64 device tensor to bring
+        back in the same copy (the integrity table), or None."""
+        rows = [chunk for chunk in reduced if chunk is not None]
+        square_sum = blocked_squared_norm(rows).reshape(1)
+        self.host[1] = stale_reads
+        self.host[2:].copy_(used)
+        if not dev.is_cuda(square_sum.device):  # the CPU, or offloaded rows: a host value like the flags
+            self.host[:1].copy_(square_sum)
+        stats = self.host.to(self.device, non_blocking=True)  # the same tensor on the CPU
+        if dev.is_cuda(square_sum.device):
+            stats[:1].copy_(square_sum)
+        comm.all_reduce(stats, self.group)
+        if extra is None:
+            back, extra_back = stats.cpu(), None
+        else:
+            both = torch.cat([stats, extra.reshape(-1)]).cpu()
+            back, extra_back = both[: stats.numel()], both[stats.numel() :]
+        total = back[0].item()
+        if not math.isfinite(total):  # every rank sees the same total: all recompute together
+            exact = float64_squared_norm(rows).reshape(1).to(self.device)
+            comm.all_reduce(exact, self.group)
+            total = exact.item()
+        stale_reads = 0 if is_fake(back) else int(back[1].item())  # a simulation: no values (it checks reads itself)
+        return StepVerdict(math.sqrt(total), back[2:] > 0, stale_reads, extra_back)
 
 
 def unscale_clip_coef(grad_norm: float, clip: float, loss_scale: float) -> float:
@@ -78,7 +127,7 @@ class UnusedMask:
         self.masked: set[int] = set()  # slots whose master.grad is None for the coming step
 
     def apply(self, used: torch.Tensor) -> None:
-        """``used``: one bool per slot (``global_norm_and_usage``)."""
+        """``used``: one bool per slot (``StepVerdict.used``)."""
         unused = {i for i in (~used).nonzero().flatten().tolist() if self.held[i] is not None}
         for index in self.masked - unused:
             self.held[index].grad = self.grads[index]

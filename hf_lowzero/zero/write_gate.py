@@ -10,7 +10,7 @@ Example::
 # Two kinds of asynchronous readers copy this rank's shard while the host goes on:
 # - a memory snapshot copies the master rows and optimizer state to pinned host buffers on a side
 #   stream (``snapshot/stager.py``), overlapping the next forward and backward;
-# - with offload, ``MasterRows.copy_to_params`` sends the host-resident rows to the device with
+# - with offload, ``ParamGather.issue`` (``allgather.py``) sends the host-resident rows to the device with
 #   non-blocking copies from pinned memory, ordered before the all-gather on the compute stream.
 # Four things write the shard: the inner optimizer's step, its switch between training and
 # evaluation points (schedule-free optimizers: ``optimizer.train()``/``eval()``), re-reading the
@@ -48,6 +48,7 @@ class WriteGate:
         readers, self._readers = self._readers, []
         for event in readers:
             if self.host_resident:
-                dev.host_waits(event)
+                if not dev.event_done(event):  # mostly done long ago: the step's one sync came after it
+                    dev.host_waits(event)
             else:
                 dev.stream_waits(dev.current_stream(self.device), event)
