@@ -90,7 +90,7 @@ class Setup:
     rows; ``zero_redundancy``: DDP + torch's ``ZeroRedundancyOptimizer`` over AdamW; ``fsdp2``:
     ``fully_shard`` on each GPT-2 block, then the root (ZeRO-3: params resharded after forward);
     ``deepspeed1``/``deepspeed2``: a DeepSpeed engine, ZeRO stage 1/2, torch AdamW as its client
-    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours. Every one runs AdamW with its
+    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours (``zero_config``: ZeroConfig fields). Every one runs AdamW with its
     default hyperparameters in fp32 without clipping. Accumulating, DDP-based setups and stage 1
     run the first micro-batches under ``no_sync``; FSDP2 and stage 2 reduce-scatter every one;
     DeepSpeed decides itself (``gradient_accumulation_steps``, ``engine.step()`` per micro-batch).
@@ -101,7 +101,7 @@ class Setup:
         setup.step(lambda module, i: module(input_ids=xs[i], labels=xs[i]).loss)
     """
 
-    def __init__(self, name: str, model: nn.Module, micro: int) -> None:
+    def __init__(self, name: str, model: nn.Module, micro: int, zero_config: dict | None = None) -> None:
         if name not in SETUPS:
             raise ValueError(f"unknown setup {name!r}; expected one of {SETUPS}")
         self.name, self.model, self.micro = name, model, micro
@@ -135,7 +135,9 @@ class Setup:
         else:
             stage = int(name[-1])
             self.module = model
-            self.opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=stage)
+            self.opt = LowLevelZeroOptimizer(
+                model, torch.optim.AdamW(model.parameters()), stage=stage, **(zero_config or {})
+            )
             self.backward = self.opt.backward
             self.no_sync = self.opt.no_sync if stage == 1 else contextlib.nullcontext
 
