@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import META_FILE
+from hf_lowzero.plan.request import PlanRequest
 from hf_lowzero.simulation import GpuCase, NcclRuleError, RaceError, call_on_fake_gpus, check_cases, default_cases
 from tests.hf_models import tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
@@ -393,7 +394,7 @@ def test_auto_stage_measures_the_trainers_device_and_checks_host_memory(tmp_path
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
 
     def plan(spec, args, **options):
-        planned.append(options)
+        planned.append(PlanRequest.of(args, **options))  # what plan_memory makes of the Trainer's inputs
         raise RuntimeError("planned")  # what was asked is all this test needs
 
     monkeypatch.setattr(auto, "plan_memory", plan)
@@ -401,15 +402,16 @@ def test_auto_stage_measures_the_trainers_device_and_checks_host_memory(tmp_path
     with pytest.raises(RuntimeError, match="planned"):
         auto.resolve_auto_stage(args, tiny_gpt2())
     assert asked == []  # use_cpu: no GPU is asked, none gets a context
-    assert planned[-1]["backend"] == "gloo" and planned[-1]["device_memory"] == 8 << 30  # 64 GiB / 8 ranks
-    assert (planned[-1]["host_memory"], planned[-1]["ranks_per_node"]) == (64 << 30, 8)
+    assert planned[-1].backend == "gloo" and planned[-1].device_memory == 8 << 30  # 64 GiB / 8 ranks
+    assert (planned[-1].host_memory, planned[-1].ranks_per_node) == (64 << 30, 8)
 
+    args.use_cpu = False  # a GPU run: the Trainer trains on the GPU its arguments give it
     monkeypatch.setattr(type(args), "device", property(lambda self: torch.device("cuda", 3)))
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(RuntimeError, match="planned"):
         auto.resolve_auto_stage(args, tiny_gpt2())
     assert asked == [torch.device("cuda", 3)]  # the GPU the Trainer trains on, not LOCAL_RANK's
-    assert planned[-1]["backend"] == "nccl" and planned[-1]["device_memory"] == 3 << 30
+    assert planned[-1].backend == "nccl" and planned[-1].device_memory == 3 << 30
 
 
 def test_offload_is_recommended_only_when_the_nodes_ranks_fit_in_its_memory():
