@@ -5,6 +5,8 @@
   export. Every collective is checked against NCCL's rules and compared across ranks, every access
   ordered as CUDA streams and events order it. Rank r trains on ``cuda:r`` with the current device
   left at 0 (no ``torch.cuda.set_device``).
+- The plan's step with gradient checkpointing, reentrant and not: each layer recomputed with the
+  GPU's attention kernel.
 - The simulation can fail: each fix undone (the write gate, the params' device for the offload
   copy's event and for barriers, export gathering on the device, exact pinned buffers) is caught.
 - What needs no simulation, on CPU against a reference: ``use_cpu`` on a GPU machine, kernel choices
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import META_FILE
+from hf_lowzero.plan.request import PlanRequest
 from hf_lowzero.simulation import GpuCase, NcclRuleError, RaceError, call_on_fake_gpus, check_cases, default_cases
 from tests.hf_models import tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
@@ -33,9 +36,10 @@ from tests.trainer_runs import logged, make_args, train
 
 
 def _fake_gpu_runs(world_sizes: tuple[int, ...]) -> dict:
-    """In the fake-GPU process: every default case at ``world_sizes``, then each fix undone."""
+    """In the fake-GPU process: every default case at ``world_sizes``, then each fix undone, then
+    the plan's step with gradient checkpointing."""
     cases = [case for case in default_cases() if case.world_size in world_sizes]
-    return {"cases": check_cases(cases), "undone": _undo_each_fix()}
+    return {"cases": check_cases(cases), "undone": _undo_each_fix(), "checkpointing": _checkpointing_runs()}
 
 
 def _undo_each_fix() -> dict[str, str]:
@@ -129,6 +133,85 @@ def test_the_step_runs_on_fake_gpus_under_nccls_rules(fake_gpu_w2):
     results = fake_gpu_w2["cases"]
     assert {r.case.label for r in results} == {c.label for c in default_cases() if c.world_size == 2}
     _check_runs(results)
+
+
+def _small_llama():
+    """Llama-3's shape family, small: grouped-query attention (8 heads, 2 KV heads), RMSNorm, SwiGLU."""
+    from transformers import LlamaConfig
+
+    from hf_lowzero.plan.models import ModelSpec
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+                         architectures=["LlamaForCausalLM"])  # fmt: skip
+    return ModelSpec.from_source(config)
+
+
+def _checkpointing_runs() -> dict:
+    """The attention kernels a checkpointed Llama runs on a fake GPU in forward and in backward, and
+    the plan's activations on fake GPUs and fake CPU tensors, with each kind of checkpointing
+    (errors as text, so that the other tests of the process stand)."""
+    from hf_lowzero.plan.simulate import Setup, TrainingSpec, simulate_step
+
+    spec, runs = _small_llama(), {}
+    for reentrant in (False, True):
+        try:
+            runs["kernels", reentrant] = _attention_kernels(spec, reentrant)
+        except Exception as e:
+            runs["kernels", reentrant] = f"{type(e).__name__}: {e}"
+        kind = {"use_reentrant": reentrant}
+        training = TrainingSpec(dtype=torch.bfloat16, optimizer_cls=torch.optim.AdamW, optimizer_kwargs={},
+                                gradient_checkpointing=True, checkpointing_kwargs=kind)  # fmt: skip
+        for backend in ("nccl", "gloo"):  # fake GPUs, fake CPU tensors
+            try:
+                step = simulate_step(spec, training, Setup(2), 8, 2, 64, backend=backend)
+                runs[backend, reentrant] = (step.device, step.breakdown["activations"])
+            except Exception as e:
+                runs[backend, reentrant] = f"{type(e).__name__}: {e}"
+    return runs
+
+
+def _attention_kernels(spec, reentrant: bool) -> tuple[list[str], list[str]]:
+    """The attention and softmax kernels of one step on fake ``cuda:0``: (forward's, backward's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_lowzero.simulation.attention import gpu_attention
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if "attention" in name or name == "_safe_softmax":  # the math path's softmax
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    device = torch.device("cuda", 0)
+    with FakeTensorMode(), gpu_attention():
+        model = spec.build(torch.bfloat16, True, {"use_reentrant": reentrant}, device).train()
+        with Kernels() as forward:
+            loss = model(**spec.batch(2, 64, device)).loss
+        with Kernels() as backward:
+            loss.backward()
+    return forward.names, backward.names
+
+
+def test_a_checkpointed_layer_recomputes_with_the_gpus_attention(fake_gpu_w2):
+    """Gradient checkpointing on fake GPUs, reentrant and not: backward recomputes each layer with the
+    kernel its forward ran (memory-efficient attention: the batch has a mask), never the math path's
+    softmax, so torch.utils.checkpoint accepts the recomputation and the plan counts the GPU's memory."""
+    runs = fake_gpu_w2["checkpointing"]
+    assert not [v for v in runs.values() if isinstance(v, str)], runs  # errors, as text
+    kernel, layers = "_scaled_dot_product_efficient_attention", _small_llama().config.num_hidden_layers
+    for reentrant in (False, True):
+        assert runs["kernels", reentrant] == ([kernel] * layers, [kernel, f"{kernel}_backward"] * layers)
+    for backend, device in [("nccl", "cuda"), ("gloo", "cpu")]:  # fake GPUs, fake CPU tensors
+        (on, non_reentrant), (_, reentrant) = runs[backend, False], runs[backend, True]
+        # the same tensors kept, about (reentrant's recomputation used to keep the math path's scores)
+        assert on == device and reentrant == pytest.approx(non_reentrant, rel=0.05), (backend, runs)
 
 
 @pytest.mark.slow  # about a minute: four ranks per case
@@ -311,7 +394,7 @@ def test_auto_stage_measures_the_trainers_device_and_checks_host_memory(tmp_path
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
 
     def plan(spec, args, **options):
-        planned.append(options)
+        planned.append(PlanRequest.of(args, **options))  # what plan_memory makes of the Trainer's inputs
         raise RuntimeError("planned")  # what was asked is all this test needs
 
     monkeypatch.setattr(auto, "plan_memory", plan)
@@ -319,15 +402,16 @@ def test_auto_stage_measures_the_trainers_device_and_checks_host_memory(tmp_path
     with pytest.raises(RuntimeError, match="planned"):
         auto.resolve_auto_stage(args, tiny_gpt2())
     assert asked == []  # use_cpu: no GPU is asked, none gets a context
-    assert planned[-1]["backend"] == "gloo" and planned[-1]["device_memory"] == 8 << 30  # 64 GiB / 8 ranks
-    assert (planned[-1]["host_memory"], planned[-1]["ranks_per_node"]) == (64 << 30, 8)
+    assert planned[-1].backend == "gloo" and planned[-1].device_memory == 8 << 30  # 64 GiB / 8 ranks
+    assert (planned[-1].host_memory, planned[-1].ranks_per_node) == (64 << 30, 8)
 
+    args.use_cpu = False  # a GPU run: the Trainer trains on the GPU its arguments give it
     monkeypatch.setattr(type(args), "device", property(lambda self: torch.device("cuda", 3)))
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(RuntimeError, match="planned"):
         auto.resolve_auto_stage(args, tiny_gpt2())
     assert asked == [torch.device("cuda", 3)]  # the GPU the Trainer trains on, not LOCAL_RANK's
-    assert planned[-1]["backend"] == "nccl" and planned[-1]["device_memory"] == 3 << 30
+    assert planned[-1].backend == "nccl" and planned[-1].device_memory == 3 << 30
 
 
 def test_offload_is_recommended_only_when_the_nodes_ranks_fit_in_its_memory():

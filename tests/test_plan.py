@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from hf_lowzero.plan.measure import PlanCase, case_training, check_case, tiny_mo
 from hf_lowzero.plan.planner import parse_bytes
 from hf_lowzero.plan.simulate import Setup, simulate_step
 from hf_lowzero.plan.tracker import storage_bytes
+from hf_lowzero.testing import run_distributed
 from tests.hf_models import TokenDataset, tiny_gpt2
 
 # What the fast tier checks against real steps: DDP, and ZeRO with an 8-bit optimizer (whole-param
@@ -156,7 +158,8 @@ def test_plan_command(tmp_path, capsys):
     assert set(saved["rows"][0]["breakdown"]) == {
         "params", "gradients", "master", "optimizer_state", "frozen", "activations", "buffers"
     }  # fmt: skip
-    # the same plan from the Python API
+    # the same plan from the Python API (whose arguments say use_cpu, for bf16 to pass here: it
+    # would plan CPU ranks; the command plans GPUs)
     api = plan_memory(
         str(tmp_path / "model/config.json"),
         LowZeroTrainingArguments(
@@ -165,6 +168,7 @@ def test_plan_command(tmp_path, capsys):
         world_size=2,
         device_memory="1GiB",
         seq_len=32,
+        backend="nccl",
     )
     assert [r.peak_bytes for r in api.rows] == [r["peak_bytes"] for r in saved["rows"]]
 
@@ -234,6 +238,7 @@ def test_the_plan_takes_a_hub_id_from_the_cache_and_says_what_to_do_without_one(
         (dict(device_memory="-3GiB"), "device_memory='-3GiB' is invalid"),
         (dict(seq_len=0), "seq_len=0 is invalid"),
         (dict(lora_r=0), "lora_r=0 is invalid"),
+        (dict(backend="mpi"), "backend='mpi' is invalid"),
     ],
 )
 def test_plan_refuses_bad_input(bad, message):
@@ -318,6 +323,50 @@ def test_auto_stage_takes_the_plan_and_trains_as_that_stage(trainer_process_grou
     explicit = LowZeroTrainer(model=tiny_gpt2(), args=explicit_args, train_dataset=dataset)
     explicit.train()
     assert losses(auto) == losses(explicit)
+
+
+def test_auto_stage_plans_as_plan_memory_does(trainer_process_group, tmp_path):
+    """One path decides for both ([Note: one plan for the Trainer and the user]): the Trainer's plan
+    is ``plan_memory``'s for the same model, arguments and inputs, row for row. The Trainer used to
+    plan gloo (its CPU device) where ``plan_memory`` planned NCCL on fake GPUs."""
+    user = plan_memory(tiny_gpt2(), auto_args(tmp_path / "plan", "1GiB"), device_memory="1GiB", seq_len=16)
+    auto = LowZeroTrainer(model=tiny_gpt2(), args=auto_args(tmp_path / "auto", "1GiB"), train_dataset=TokenDataset())
+    assert user.simulated_on == auto.memory_plan.simulated_on == "cpu"  # use_cpu: CPU ranks (gloo)
+    assert auto.memory_plan.rows == user.rows and auto.memory_plan.recommended == user.recommended
+    chosen = (auto.args.zero_stage, bool(auto.args.zero_offload_optimizer))
+    assert chosen == (user.recommended.stage, user.recommended.offload)
+
+
+def _gpt2_64():
+    """The issue's small GPT-2 for 64-token sequences (4.1M params)."""
+    return tiny_gpt2(n_positions=64, n_embd=128, n_layer=4, n_head=4, vocab_size=26000)
+
+
+def _auto_choice(rank: int, world_size: int, out: str, memory: int) -> None:
+    """A rank of a CPU Trainer with zero_stage="auto"; rank 0 writes the choice it took."""
+    args = auto_args(out, str(memory), per_device_train_batch_size=2)
+    trainer = LowZeroTrainer(model=_gpt2_64(), args=args, train_dataset=TokenDataset(length=64))
+    if rank == 0:
+        chosen = [trainer.args.zero_stage, bool(trainer.args.zero_offload_optimizer)]
+        (Path(out) / "chosen.json").write_text(json.dumps(chosen))
+
+
+@pytest.mark.slow  # two ranks planning in a process of their own, and a plan on fake GPUs: about a minute
+def test_auto_stage_of_two_cpu_ranks_takes_what_plan_memory_recommends(tmp_path):
+    """The issue's case: 2 CPU ranks (gloo), a small GPT-2, 64 tokens, at a device memory where the
+    plan for CPU ranks needs offload and the plan for GPUs does not (gloo's scratch pool keeps the
+    collectives' buffers; at 120 MiB, stage 1 + offload against stage 1). The Trainer took the
+    first and ``plan_memory`` on the same arguments recommended the second."""
+    args = auto_args(tmp_path / "plan", None, per_device_train_batch_size=2)
+    roomy = {b: plan_memory(_gpt2_64(), args, world_size=2, device_memory="1GiB", seq_len=64, backend=b)
+             for b in ("nccl", "gloo")}  # fmt: skip
+    gpu, cpu = roomy["nccl"].row(1).peak_bytes, roomy["gloo"].row(1).peak_bytes
+    memory = int((gpu + cpu) / 2 / 0.9)  # stage 1 fits a GPU here, not a CPU rank
+    assert gpu < 0.9 * memory < cpu and roomy["gloo"].row(1, offload=True).peak_bytes < 0.9 * memory
+    run_distributed(_auto_choice, 2, out=str(tmp_path), memory=memory)
+    chosen = tuple(json.loads((tmp_path / "chosen.json").read_text()))
+    user = plan_memory(_gpt2_64(), args, world_size=2, device_memory=memory, seq_len=64).recommended
+    assert chosen == (user.stage, user.offload) and user.offload  # CPU ranks: no setup fits without offload
 
 
 def test_auto_stage_refuses_before_training_when_nothing_fits(trainer_process_group, tmp_path):

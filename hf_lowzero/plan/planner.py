@@ -29,53 +29,20 @@ import logging
 import math
 import multiprocessing
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from hf_lowzero.plan.models import ModelSpec
+from hf_lowzero.plan.request import RESERVE, PlanRequest
+from hf_lowzero.plan.request import parse_bytes as parse_bytes  # re-exported: callers import it from here
 from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
 from hf_lowzero.simulation.launch import FakeCudaUnavailable, call_on_fake_gpus, fake_cuda_here
 
 logger = logging.getLogger(__name__)
 
 SETUPS = (Setup(0), Setup(1), Setup(1, True), Setup(2), Setup(2, True))
-RESERVE = 0.10  # of device memory, kept for what is not a tensor: CUDA context, allocator fragmentation
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12}
-_UNITS |= {"tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str, name: str = "memory") -> int:
-    """``"80GiB"``, ``"40 GB"``, ``"512MiB"`` or a number of bytes -> bytes.
-
-    Example::
-
-        >>> parse_bytes("80GiB")
-        85899345920
-
-    Args:
-        value: A positive number of bytes, or a size with an optional unit: B, kB/MB/GB/TB (powers of
-            1000; k/m/g/t alike), KiB/MiB/GiB/TiB (powers of 1024); case does not matter.
-        name: The setting's name, for the error message.
-
-    Returns:
-        The size in bytes.
-
-    Raises:
-        ValueError: ``value`` is a bool, not positive, or not a size in a known unit.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is invalid; expected a size such as 80GiB, 40GB or a number of bytes")
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(
-            f"{name}={value!r} is invalid; expected a positive size such as 80GiB, 40GB, 512MiB or a number of bytes"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def format_bytes(nbytes: float) -> str:
@@ -217,7 +184,7 @@ def plan_memory(
     lora_targets: list[str] | None = None,
     ref_model: bool = False,
     reserve: float = RESERVE,
-    backend: str = "nccl",
+    backend: str | None = None,
 ) -> MemoryPlan:
     """Plan the memory of training ``model_or_config`` with ``args`` on ``world_size`` devices of
     ``device_memory`` each (see the module docstring).
@@ -229,7 +196,13 @@ def plan_memory(
     this rank on the model (a PEFT model brings its own); ``ref_model``: a frozen reference copy
     (DPO, GRPO); ``reserve``: the fraction of device memory kept for the CUDA context and
     fragmentation; ``backend``: the collectives' backend of the planned run (``"nccl"`` on GPUs,
-    ``"gloo"`` on CPU), whose code paths the simulation takes.
+    ``"gloo"`` on CPU), whose code paths the simulation takes (default: ``"gloo"`` when ``args``
+    say ``use_cpu``, else ``"nccl"``).
+
+    ``zero_stage="auto"`` plans with this function and these defaults: the Trainer passes its world
+    size, device memory, node RAM (``host_memory``, ``ranks_per_node``: ``LOCAL_WORLD_SIZE``) and
+    the data's longest sequence, so this call with those inputs gives the Trainer's plan ([Note: one
+    plan for the Trainer and the user] in ``request.py``).
 
     Args:
         model_or_config: What to train: a model directory or ``config.json`` path, a transformers
@@ -246,55 +219,51 @@ def plan_memory(
         lora_targets: The module names the adapter targets; None: PEFT's defaults for the model.
         ref_model: Whether the run also holds a frozen reference copy of the model (DPO, GRPO).
         reserve: The fraction of device memory kept for the CUDA context and fragmentation, in [0, 1).
-        backend: The planned run's collectives backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPU).
+        backend: The planned run's collectives backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPU); None:
+            ``"gloo"`` when ``args.use_cpu``, else ``"nccl"``.
 
     Returns:
         The plan: a row per setup, the recommended one (or None) and the reason.
 
     Raises:
         ValueError: An argument is invalid (``world_size``, ``reserve``, a memory size,
-            ``ranks_per_node``, ``seq_len``, ``lora_r``), or a config file is not a transformers config,
-            or transformers has no model class for it.
+            ``ranks_per_node``, ``seq_len``, ``backend``, ``lora_r``), or a config file is not a
+            transformers config, or transformers has no model class for it.
         TypeError: ``model_or_config`` is of a kind that cannot be planned for.
         FileNotFoundError: A path given as ``model_or_config`` is neither a directory nor a file.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} is invalid; expected the number of data-parallel ranks (>= 1)")
-    if not 0 <= reserve < 1:
-        raise ValueError(f"reserve={reserve!r} is invalid; expected a fraction of device memory in [0, 1)")
-    capacity = parse_bytes(device_memory, "device_memory")
-    host = parse_bytes(host_memory, "host_memory") if host_memory is not None else None
-    ranks_per_node = ranks_per_node or min(world_size, 8)
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(
-            f"ranks_per_node={ranks_per_node!r} is invalid; expected the ranks sharing a node's RAM (>= 1)"
-        )
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"seq_len={seq_len!r} is invalid; expected tokens per sample (>= 1)")
+    request = PlanRequest.of(
+        args,
+        world_size=world_size,
+        device_memory=device_memory,
+        seq_len=seq_len,
+        host_memory=host_memory,
+        ranks_per_node=ranks_per_node,
+        ref_model=ref_model,
+        reserve=reserve,
+        backend=backend,
+    )
     spec = ModelSpec.from_source(model_or_config, lora_r=lora_r, lora_targets=lora_targets)
-    options = dict(world_size=world_size, device_memory=capacity, seq_len=seq_len, host_memory=host)
-    options |= dict(ranks_per_node=ranks_per_node, ref_model=ref_model, reserve=reserve, backend=backend)
-    if backend == "nccl" and not fake_cuda_here():
+    if request.backend == "nccl" and not fake_cuda_here():
         # [Note: planning on fake GPUs] in simulate.py: a fresh process with fake CUDA devices,
         # planned from the spec (a config, not the weights).
         try:
-            return call_on_fake_gpus(plan_memory, spec, args, **options)
+            return call_on_fake_gpus(plan_memory, spec, args, **asdict(request))
         except FakeCudaUnavailable as e:
             logger.warning("planning GPU setups on fake CPU tensors (the CPU's code paths): %s", e)
     if dist.is_available() and dist.is_initialized():
         # The simulation needs a process without a process group (it makes a fake one): plan in a
         # fresh one, from the spec.
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply(plan_memory, (spec, args), options)
+            return pool.apply(plan_memory, (spec, args), asdict(request))
     training = TrainingSpec.from_args(args if args is not None else _default_args())
-    seq_len = seq_len or min(spec.max_seq_len() or 2048, 2048)
-    usable = int(capacity * (1 - reserve))
+    seq_len = request.seq_len or min(spec.max_seq_len() or 2048, 2048)
+    usable = int(request.device_memory * (1 - request.reserve))
     batch = training.batch_size
 
     def simulate(setup: Setup, batch_size: int, rank: int = 0) -> StepMemory:
-        return simulate_step(
-            spec, training, setup, world_size, batch_size, seq_len, rank=rank, ref_model=ref_model, backend=backend
-        )
+        options = dict(rank=rank, ref_model=request.ref_model, backend=request.backend)
+        return simulate_step(spec, training, setup, request.world_size, batch_size, seq_len, **options)
 
     steps: dict[Setup, StepMemory] = {}
     for setup in sorted(SETUPS, key=lambda s: -s.stage):  # stage 2 first: stage 1 may take its figures
@@ -308,18 +277,18 @@ def plan_memory(
         zero: max(1, simulate(Setup(2 if zero else 0), batch + 1).peak - steps[Setup(2 if zero else 0)].peak)
         for zero in (False, True)
     }
-    host_per_rank = host // ranks_per_node if host is not None else None
+    host_per_rank = request.host_memory // request.ranks_per_node if request.host_memory is not None else None
     rows = [_row(setup, steps[setup], usable, host_per_rank, batch, slopes[setup.stage > 0]) for setup in SETUPS]
     counts = _param_counts(spec)
     plan = MemoryPlan(
         model=spec.name,
         total_params=counts[0],
         trainable_params=counts[1],
-        world_size=world_size,
-        device_memory=capacity,
+        world_size=request.world_size,
+        device_memory=request.device_memory,
         usable_memory=usable,
-        host_memory=host,
-        ranks_per_node=ranks_per_node,
+        host_memory=request.host_memory,
+        ranks_per_node=request.ranks_per_node,
         batch_size=batch,
         seq_len=seq_len,
         training=_describe(training),

@@ -5,9 +5,11 @@ with these arguments on this world size and this much device memory (``zero_devi
 what is free now on the device the Trainer trains on: ``torch.cuda.mem_get_info`` of that GPU, or
 with ``use_cpu`` or no GPU the node's available RAM shared by its ranks), checks offload against
 this rank's share of the node's available RAM, sets ``zero_stage`` and ``zero_offload_optimizer``
-to the recommended row and logs one line. With ``auto_find_batch_size`` the recommended row's
-largest batch is where the search for a batch that runs starts. When nothing fits it refuses,
-naming the largest batch that would.
+to the recommended row and logs one line. It calls ``plan_memory`` with what it measured and
+nothing more, so ``plan_memory(model, args, ...)`` with those inputs gives its plan ([Note: one
+plan for the Trainer and the user] in ``plan/request.py``). With ``auto_find_batch_size`` the
+recommended row's largest batch is where the search for a batch that runs starts. When nothing
+fits it refuses, naming the largest batch that would.
 
 Example::
 
@@ -40,18 +42,16 @@ def resolve_auto_stage(args, model, train_dataset=None) -> MemoryPlan:
         )
     spec = ModelSpec.from_source(model)
     memory = parse_bytes(args.zero_device_memory, "zero_device_memory") if args.zero_device_memory else None
-    device = args.device  # what the Trainer trains on: cpu with use_cpu, whatever GPUs there are
-    request = dict(
-        spec=spec,
-        args=args,
+    # What only this job knows; plan_memory derives the rest from args, the backend included, as
+    # for a user's call ([Note: one plan for the Trainer and the user] in plan/request.py).
+    measured = dict(
         world_size=args.world_size,
-        device_memory=memory or free_device_memory(device),
+        device_memory=memory or free_device_memory(args.device),  # the device the Trainer trains on
         host_memory=node_available_memory(),
         ranks_per_node=max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
         seq_len=_seq_len(train_dataset, spec),
-        backend="nccl" if device.type == "cuda" else "gloo",
     )
-    plan = _plan_once(request)
+    plan = _plan_once(spec, args, measured)
     best = plan.recommended
     if best is None:
         raise ValueError(f"zero_stage='auto': nothing fits on this device.\n{plan.to_text()}")
@@ -103,24 +103,11 @@ def _seq_len(train_dataset, spec: ModelSpec) -> int | None:
     return max(lengths) if lengths else None
 
 
-def _plan_once(request: dict) -> MemoryPlan:
+def _plan_once(spec: ModelSpec, args, measured: dict) -> MemoryPlan:
     """The plan, made once: by rank 0 and sent to every rank when a process group exists, so that
     all ranks take the same setup (``plan_memory`` then plans in a fresh process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return _plan(request)
-    box = [_plan(request) if dist.get_rank() == 0 else None]
+        return plan_memory(spec, args, **measured)
+    box = [plan_memory(spec, args, **measured) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _plan(request: dict) -> MemoryPlan:
-    return plan_memory(
-        request["spec"],
-        request["args"],
-        world_size=request["world_size"],
-        device_memory=request["device_memory"],
-        host_memory=request["host_memory"],
-        ranks_per_node=request["ranks_per_node"],
-        seq_len=request["seq_len"],
-        backend=request["backend"],
-    )
