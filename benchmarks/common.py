@@ -42,6 +42,25 @@ def gpt2(n_layer: int, n_embd: int, vocab: int = 8192, seed: int = 0, dropout: f
     return GPT2LMHeadModel(config)
 
 
+def gpt2_bf16(n_layer: int, n_embd: int, n_head: int, seq: int, device, vocab: int = 50257, seed: int = 0):
+    """A GPT-2 of that shape, built in bf16 straight on ``device`` (no download): a model too big for
+    a GPU fails there, not in host memory. (24, 2048, 16) is the 1.2B of ``offload.py``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return GPT2LMHeadModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 class ManySmall(nn.Module):
     """Hundreds of tiny parameters: exposes per-parameter hook and bookkeeping overhead."""
 
@@ -239,14 +258,20 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def write_results(
-    name: str, rows: list[dict], columns: list[str], header: str, footer: str = "", data: object = None
+    name: str,
+    rows: list[dict],
+    columns: list[str],
+    header: str,
+    footer: str = "",
+    data: object = None,
+    directory: Path = RESULTS,
 ) -> str:
     """``results/NAME.md`` (header, table of ``rows``, footer) and ``results/NAME.json`` (``data``,
-    or ``rows`` when None); returns the table and footer."""
-    RESULTS.mkdir(exist_ok=True)
+    or ``rows`` when None), or the same in ``directory``; returns the table and footer."""
+    directory.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows, columns)
-    (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}{footer}")
-    (RESULTS / f"{name}.json").write_text(json.dumps(rows if data is None else data, indent=1))
+    (directory / f"{name}.md").write_text(f"{header}\n\n{table}{footer}")
+    (directory / f"{name}.json").write_text(json.dumps(rows if data is None else data, indent=1))
     return table + footer
 
 
