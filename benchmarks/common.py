@@ -42,18 +42,21 @@ def gpt2(n_layer: int, n_embd: int, vocab: int = 8192, seed: int = 0, dropout: f
     return GPT2LMHeadModel(config)
 
 
-def gpt2_bf16(n_layer: int, n_embd: int, n_head: int, seq: int, device, vocab: int = 50257, seed: int = 0):
-    """A GPT-2 of that shape, built in bf16 straight on ``device`` (no download): a model too big for
-    a GPU fails there, not in host memory. (24, 2048, 16) is the 1.2B of ``offload.py``."""
+def gpt2_on(
+    device, n_layer: int, n_embd: int, n_head: int, seq: int, vocab: int = 50257, dtype=torch.bfloat16, dropout=0.1
+):
+    """A GPT-2 of that shape built in ``dtype`` straight on ``device`` (no download): a model too big
+    for a GPU fails there, not in host memory. (24, 2048, 16) is the 1.2B of ``offload.py``;
+    ``dropout=0.0`` makes two runs of the same seed and data comparable step by step."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     config = GPT2Config(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab, bos_token_id=0,
-        eos_token_id=0,
+        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             return GPT2LMHeadModel(config)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import RESULTS, gpt2_bf16  # noqa: E402
+from benchmarks.common import RESULTS, gpt2_on  # noqa: E402
 from benchmarks.emulated_nccl import BACKEND, KINDS, Wire, calibrate_sleep, emulated_world  # noqa: E402
 from benchmarks.host_syncs import HostSyncs  # noqa: E402
 from benchmarks.overlap_report import write_report  # noqa: E402
@@ -103,7 +103,7 @@ def flag_missing() -> bool:
 
 
 def build(settings: Settings, shape, name: str, group, overlap: bool | None) -> Setup:
-    model = gpt2_bf16(*shape, settings.seq, settings.device, vocab=settings.vocab)
+    model = gpt2_on(settings.device, *shape, settings.seq, vocab=settings.vocab)
     inner = torch.optim.AdamW(model.parameters(), fused=True)
     flag = {} if overlap is None or flag_missing() else {FLAG: overlap}
     config = ZeroConfig(

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import RESULTS, collect, gpt2, gpt2_bf16, write_results  # noqa: E402
+from benchmarks.common import RESULTS, collect, gpt2, gpt2_on, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.trainer.auto import node_available_memory  # noqa: E402
 
@@ -146,7 +146,7 @@ def gpu_measure(
     kernel = kernel or trainers_kernel(offload)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = gpt2_bf16(n_layer, n_embd, n_head, seq, "cuda")
+    model = gpt2_on("cuda", n_layer, n_embd, n_head, seq)
     psi = sum(p.numel() for p in model.parameters())
     choice = {"fused": {"fused": True}, "foreach": {"foreach": True}, "open": {}}[kernel]
     inner = torch.optim.AdamW(model.parameters(), **choice)
