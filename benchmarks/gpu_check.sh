@@ -68,7 +68,7 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" |
 }
 
 # Measured on one H100: tests 43 s, single 50, plan 29, snapshot 27, offload 64 to 95. Estimated:
-# overlap 60 to 100 (4 rounds of 33 blocks of 3 steps of 80 to 300 ms, about 45 s, and 20 s to build
+# overlap 60 to 110 (4 rounds of 33 blocks of 4 steps of 80 to 300 ms, about 60 s, and 20 s to build
 # and probe), trainer_offload 20 to 40, ray 60 to 90 where Ray is installed (2 where not).
 step tests 120 env TORCH_CUDA_SANITIZER=1 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
 step single 120 python benchmarks/gpu_single.py

@@ -18,10 +18,20 @@ time is below the backward it overlaps, all-gather >= 80% wherever below the for
 overlap on). Also: host syncs per phase (forward, backward, step, gather; ``host_syncs.py``) and the
 step time against W=1 in the same round.
 
-Timing: WARMUP steps per setup, then ROUNDS rounds in which every setup and sleep mode runs STEPS
-steps in turn, with the device synchronized around each block only; medians and ranges of the
-rounds. One step per link with every sleep timed by CUDA events checks the sleeps against the
-bytes / bandwidth they stand for.
+Timing: ``warmup`` steps per setup, then ``rounds`` rounds in which every setup and sleep mode runs
+a block in turn ([Note: steady-state blocks]); medians and ranges of the rounds. One step per link
+with every sleep timed by CUDA events checks the sleeps against the bytes / bandwidth they stand for.
+
+# [Note: steady-state blocks]
+# With the all-gather overlapped, a step's gathers are waited for in the next step's forward. A
+# block timed from one synchronize to the next would get the gathers before it for free (done
+# during the synchronize) and wait for its last step's in full (nothing left to hide them behind):
+# it would report (n-1)/n of what is hidden. So a block runs one untimed step first (under the
+# block's sleeps), then ``steps`` steps timed from the start of the first one's forward, which
+# waits for the untimed step's gathers, to the end of the last one's ``step()``, which leaves its
+# gathers to the next forward (CUDA events on the compute stream; the host clock on CPU, where
+# ``wait()`` blocks the host). Every timed step then waits for one step's gathers, as in training.
+# The device is synchronized after each block, so the next one starts with nothing in flight.
 """
 
 from __future__ import annotations
@@ -178,16 +188,22 @@ def timed_rounds(settings: Settings, setups, wire: Wire, x) -> dict[tuple, list[
         began = time.perf_counter()
         for setup, mode, link in runs:
             configure(wire, mode, link)
-            synchronize(settings.device)
-            start = time.perf_counter()
-            for _ in range(settings.steps):
-                loss = train_step(setup, x)
-            synchronize(settings.device)
-            times[(setup.name, mode, link)].append(1000 * (time.perf_counter() - start) / settings.steps)
-            setup.losses.append(loss)
+            times[(setup.name, mode, link)].append(block_ms(settings, setup, x))
         print(f"round {r + 1}/{settings.rounds}: {time.perf_counter() - began:.1f} s", flush=True)
     configure(wire, "none", None)
     return times
+
+
+def block_ms(settings: Settings, setup: Setup, x) -> float:
+    """ms per step of one block: [Note: steady-state blocks]."""
+    train_step(setup, x)
+    start = _clock(settings.device)
+    for _ in range(settings.steps):
+        loss = train_step(setup, x)
+    end = _clock(settings.device)
+    synchronize(settings.device)
+    setup.losses.append(loss)
+    return _elapsed_ms(start, end) / settings.steps
 
 
 def phase_ms(settings: Settings, setup: Setup, x, steps: int = 3) -> dict[str, float]:
