@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -48,6 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Three 1.2B setups share one GPU: growing segments keep the caching allocator from fragmenting (set
+# before CUDA starts; a value already in the environment wins).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
