@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import RESULTS, gpt2_on  # noqa: E402
 from benchmarks.emulated_nccl import BACKEND, KINDS, Wire, calibrate_sleep, emulated_world  # noqa: E402
-from benchmarks.host_syncs import HostSyncs  # noqa: E402
+from benchmarks.host_syncs import PHASES, HostSyncs  # noqa: E402
 from benchmarks.overlap_report import write_report  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.zero.config import ZeroConfig  # noqa: E402
@@ -305,6 +305,8 @@ def run(settings: Settings, out: Path, flag_note: str) -> list[str]:
         payload = wire_per_step(setups[0], wire, x)
         phases = {s.name: phase_ms(settings, s, x) for s in setups}
         syncs = [host_syncs(s, x) for s in setups] if device.type == "cuda" else []
+        for counted in syncs:
+            print(f"host syncs, {counted['setup']}: " + ", ".join(f"{p} {counted[p]}" for p in PHASES), flush=True)
         times = timed_rounds(settings, setups, wire, x)
         sleeps = measured_sleeps(settings, setups[0], wire, x, payload)
         check_training(setups)
