@@ -18,6 +18,8 @@ counts in the phase in progress, except that one whose stack passes through the 
 the updated params back (a function of ``hf_lowzero/zero`` named for gathering, copying to the
 params or unpacking) counts in ``"gather"``: with the all-gather overlapped, that code runs in the
 next forward. ``sites`` names the innermost frame of hf_lowzero (else of the code that called torch).
+A sync made by Python code on autograd's thread (a gradient hook) is named where it is; one made
+inside autograd's own kernels is reported when ``backward()`` returns, at its caller.
 """
 
 from __future__ import annotations
