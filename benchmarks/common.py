@@ -42,6 +42,28 @@ def gpt2(n_layer: int, n_embd: int, vocab: int = 8192, seed: int = 0, dropout: f
     return GPT2LMHeadModel(config)
 
 
+def gpt2_on(
+    device, n_layer: int, n_embd: int, n_head: int, seq: int, vocab: int = 50257, dtype=torch.bfloat16, dropout=0.1
+):
+    """A GPT-2 of that shape built in ``dtype`` straight on ``device`` (no download): a model too big
+    for a GPU fails there, not in host memory. (24, 2048, 16) is the 1.2B of ``offload.py``;
+    ``dropout=0.0`` makes two runs of the same seed and data comparable step by step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return GPT2LMHeadModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 class ManySmall(nn.Module):
     """Hundreds of tiny parameters: exposes per-parameter hook and bookkeeping overhead."""
 
@@ -241,14 +263,20 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def write_results(
-    name: str, rows: list[dict], columns: list[str], header: str, footer: str = "", data: object = None
+    name: str,
+    rows: list[dict],
+    columns: list[str],
+    header: str,
+    footer: str = "",
+    data: object = None,
+    directory: Path = RESULTS,
 ) -> str:
     """``results/NAME.md`` (header, table of ``rows``, footer) and ``results/NAME.json`` (``data``,
-    or ``rows`` when None); returns the table and footer."""
-    RESULTS.mkdir(exist_ok=True)
+    or ``rows`` when None), or the same in ``directory``; returns the table and footer."""
+    directory.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows, columns)
-    (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}{footer}")
-    (RESULTS / f"{name}.json").write_text(json.dumps(rows if data is None else data, indent=1))
+    (directory / f"{name}.md").write_text(f"{header}\n\n{table}{footer}")
+    (directory / f"{name}.json").write_text(json.dumps(rows if data is None else data, indent=1))
     return table + footer
 
 

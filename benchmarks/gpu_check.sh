@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # The GPU check, for whoever has a CUDA GPU at hand:  bash benchmarks/gpu_check.sh
 #
-# About 4 minutes on one H100 (measured 2026-11-26). Runs, each step even when an earlier one failed:
+# About 6 minutes on one H100 (the first five steps measured 2026-11-26, about 4 minutes together; the
+# new ones estimated). Runs, each step even when an earlier one failed:
 #   1. every CUDA test (tests/test_cuda.py; NCCL tests of 2+ ranks when 2+ GPUs are visible) under
 #      torch's CUDA sanitizer, which checks every kernel's accesses against the streams and events
 #      ordering them;
 #   2. benchmarks/gpu_single.py: one GPU, bf16, ZeRO stage 2 against the plain Trainer (fused AdamW);
-#   3. the GPU half of benchmarks/offload.py;
-#   4. benchmarks/gpu_plan.py: the memory plan against torch.cuda.max_memory_allocated, three setups;
-#   5. benchmarks/gpu_snapshot.py: a memory snapshot's side-stream copy against the step it overlaps.
+#   3. benchmarks/gpu_overlap.py: GPT-2 1.2B as rank 0 of 2, the second rank emulated, over links of
+#      100 to 12.5 GB/s: the reduce-scatter and all-gather time hidden, host syncs per phase, the step
+#      against W=1 (needs ZeroConfig.overlap_allgather);
+#   4. benchmarks/gpu_trainer_offload.py: the Trainer with optimizer offload, its losses against the
+#      run without;
+#   5. ray_jobs/finetune.py --use-gpu --num-workers 1, the main job on the GPU (skipped, not failed,
+#      where Ray is not installed: the lent machines have none and no internet);
+#   6. benchmarks/gpu_plan.py: the memory plan against torch.cuda.max_memory_allocated, three setups;
+#   7. benchmarks/gpu_snapshot.py: a memory snapshot's side-stream copy against the step it overlaps;
+#   8. the GPU half of benchmarks/offload.py.
 # Results land in benchmarks/results/gpu_* (commit them); the exit status is 1 if any step failed.
 # Each step has a time limit (seconds, second argument of `step` below), so one that hangs (a stuck
-# NCCL collective, say) fails on its own and the others still run: the whole check stays within a
-# lent machine's 10 minutes.
-# Needs torch, transformers, safetensors and pytest (no Ray); installs this checkout without its deps.
+# NCCL collective, say) fails on its own and the others still run; and no step runs past BUDGET
+# seconds from the start (its limit shrinks; one with too little time left is skipped and counts as
+# failed), so the whole check stays within a lent machine's 10 minutes.
+# Needs torch, transformers, safetensors and pytest (Ray optional); installs this checkout without its deps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=benchmarks/results
@@ -26,10 +35,18 @@ if ! command -v python >/dev/null; then  # some images have python3 alone (a wra
     export PATH="$shim:$PATH"
 fi
 failed=()
+BUDGET=570  # seconds for all the steps: 10 minutes less the machine's report and the last step's grace
 
 step() {  # step NAME SECONDS COMMAND...: run it (killed after SECONDS), keep its output in $RESULTS/gpu_NAME.log, remember a failure
     local name=$1 limit=$2
     shift 2
+    local left=$((BUDGET - SECONDS - 10))  # 10: timeout's grace between its TERM and its KILL
+    if ((left < 20)); then
+        echo "=== $name: SKIPPED, $((BUDGET - SECONDS)) s left of the check's $BUDGET s: $*" | tee "$RESULTS/gpu_$name.log"
+        failed+=("$name")
+        return
+    fi
+    ((left < limit)) && limit=$left
     echo "=== $name (at most $limit s): $*"
     local start=$SECONDS
     if timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS/gpu_$name.log"; then
@@ -50,11 +67,23 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" |
     exit 1
 }
 
+# Measured on one H100: tests 43 s, single 50, plan 29, snapshot 27, offload 64 to 95. Estimated:
+# overlap 60 to 110 (4 rounds of 33 blocks of 4 steps of 80 to 300 ms, about 60 s, and 20 s to build
+# and probe), trainer_offload 20 to 40, ray 60 to 90 where Ray is installed (2 where not).
 step tests 120 env TORCH_CUDA_SANITIZER=1 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
 step single 120 python benchmarks/gpu_single.py
-step offload 240 python benchmarks/offload.py --gpu-only
+step overlap 180 python benchmarks/gpu_overlap.py
+step trainer_offload 90 python benchmarks/gpu_trainer_offload.py
+if python -c "import ray" 2>/dev/null; then
+    step ray 150 env RAY_USAGE_STATS_ENABLED=0 python ray_jobs/finetune.py --use-gpu --num-workers 1 \
+        --storage-path "$(mktemp -d)"  # a fresh run: a rerun of the same name would resume the last one
+else
+    echo "=== ray: skipped: Ray is not installed here (pip install -c constraints.txt -e '.[ray]' where there is" \
+        "internet, then rerun)" | tee "$RESULTS/gpu_ray.log"
+fi
 step plan 60 python benchmarks/gpu_plan.py
 step snapshot 60 python benchmarks/gpu_snapshot.py
+step offload 240 python benchmarks/offload.py --gpu-only
 
 if ((${#failed[@]})); then
     echo "failed: ${failed[*]}"

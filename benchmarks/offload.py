@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E402
+from benchmarks.common import RESULTS, collect, gpt2, gpt2_on, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.trainer.auto import node_available_memory  # noqa: E402
 
@@ -129,20 +129,6 @@ def host_kernels() -> list[dict]:
 # ----------------------------------------------------------------------------------------- GPU
 
 
-def gpu_model(n_layer: int, n_embd: int, n_head: int, seq: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, bos_token_id=0, eos_token_id=0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: a model too big fails there, not in host RAM
-    try:
-        with torch.device("cuda"):
-            return GPT2LMHeadModel(config)
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def gpu_measure(
     name: str,
     n_layer: int,
@@ -160,7 +146,7 @@ def gpu_measure(
     kernel = kernel or trainers_kernel(offload)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = gpu_model(n_layer, n_embd, n_head, seq)
+    model = gpt2_on("cuda", n_layer, n_embd, n_head, seq)
     psi = sum(p.numel() for p in model.parameters())
     choice = {"fused": {"fused": True}, "foreach": {"foreach": True}, "open": {}}[kernel]
     inner = torch.optim.AdamW(model.parameters(), **choice)
