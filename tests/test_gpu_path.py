@@ -28,7 +28,15 @@ import torch.distributed as dist
 from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint.layout import META_FILE
 from hf_lowzero.plan.request import PlanRequest
-from hf_lowzero.simulation import GpuCase, NcclRuleError, RaceError, call_on_fake_gpus, check_cases, default_cases
+from hf_lowzero.simulation import (
+    GpuCase,
+    NcclRuleError,
+    RaceError,
+    StaleReadError,
+    call_on_fake_gpus,
+    check_cases,
+    default_cases,
+)
 from tests.hf_models import tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
 
@@ -85,6 +93,11 @@ def _undo_each_fix() -> dict[str, str]:
             outcome[name] = "passed"
         except (RaceError, NcclRuleError) as e:
             outcome[name] = f"{type(e).__name__}: {e}"
+    try:  # not a fix undone: a model that reads a weight outside the module holding it
+        check_cases([GpuCase(2, dtype="bf16", head_outside=True)])
+        outcome["head read outside its module"] = "passed"
+    except StaleReadError as e:
+        outcome["head read outside its module"] = f"{type(e).__name__}: {e}"
     rounded = mock.patch.object(
         dev, "host_buffer", lambda numel, dtype, pin, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin)
     )
@@ -121,7 +134,8 @@ def _check_runs(results) -> None:
             assert run.caching_pinned == [], (case.label, run.caching_pinned)  # no power-of-two rounding
             # the pinned bytes memory_report() states are those allocated, exactly
             assert run.pinned_reported == run.optimizer_pinned, case.label
-            assert (run.optimizer_pinned > 0) == case.offload, case.label
+            # beyond the few bytes of the step's flags ([Note: one host sync per step] in zero/step.py)
+            assert (run.optimizer_pinned > 1024) == case.offload, case.label
             assert run.host_tensors_saved > 0 and sum(run.pinned_bytes) >= run.optimizer_pinned, case.label
         assert result.runs[0].exported_states > 0, case.label
         ops = [c.op for c in result.runs[0].sequence]
@@ -233,6 +247,22 @@ def test_each_fix_undone_is_caught(fake_gpu_w2):
     assert "reached NCCL's all_gather" in undone["export gathers host rows"]
     assert undone["barrier on the current device"].startswith("NcclRuleError: rank 1: barrier on cuda:0")
     assert "aten.zeros" in undone["pinned through the caching allocator"]
+    assert undone["head read outside its module"].startswith(
+        "StaleReadError: addmm.default reads parameter 'head.bias' while its all-gather is in flight"
+    )
+
+
+def test_the_step_syncs_the_host_once_and_backward_never(fake_gpu_w2):
+    """[Note: one host sync per step]: in a step after a step (the gathers in flight into its
+    forward), the host waits for the device once, at the step, for the clip and skip decision; with
+    offload once more, for the gradients' copies it steps on. Never in the forward, the backward
+    hooks or the gathers, verify steps included (every step here is one)."""
+    for result in fake_gpu_w2["cases"]:
+        case = result.case
+        for run in result.runs:
+            last = run.syncs[-1]
+            expected = {"forward": 0, "backward": 0, "gather": 0, "step": 2 if case.offload else 1}
+            assert {phase: last[phase] for phase in expected} == expected, (case.label, run.rank, last["sites"])
 
 
 def test_gpu_plans_run_on_fake_gpus():

@@ -624,7 +624,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """
         managed = {id(slot.param) for slot in self.slots}
         state = [v for entry in self.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
-        host = [self.master.flat, *self.reducer.store.tensors(), *state]
+        host = [self.master.flat, *self.reducer.store.tensors(), *state, self._stats.host]
         return MemoryReport.measure(
             params=bytes_by_device(self.model.parameters()),
             grads=bytes_by_device(p.grad for p in self.model.parameters() if id(p) in managed and p.grad is not None),
