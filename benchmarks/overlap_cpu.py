@@ -114,6 +114,7 @@ def main() -> None:
 
 
 def report(runs: dict[str, list[dict]], a) -> None:
+    sys.path.insert(0, str(ROOT))
     from benchmarks.common import RESULTS, bar_plot, write_results
 
     rows = []

@@ -75,3 +75,11 @@ def comm_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_point_to_point_exchanges_equal_the_collectives(world_size):
     run_distributed(comm_body, world_size)
+
+
+def test_only_nccl_at_a_power_of_two_world_size_averages_in_the_collective(single_rank_group):
+    """[Note: the divide in the collective]: gloo divides the packed bucket first; asking its
+    reduce-scatter to average is refused, naming what it needs."""
+    assert not comm.premultiplies(None)
+    with pytest.raises(ValueError, match="needs NCCL and a power-of-two world size"):
+        comm.reduce_scatter(torch.zeros(2), torch.zeros(2), None, average=True)

@@ -141,6 +141,9 @@ def _check_runs(results) -> None:
         ops = [c.op for c in result.runs[0].sequence]
         reduction = "all_to_all" if case.partition == "params" else "reduce_scatter"
         assert reduction in ops and "all_reduce" in ops and "barrier" in ops, (case.label, set(ops))
+        # [Note: the divide in the collective]: W=2 and 4 average in NCCL's reduce-scatter, no divide pass
+        averaged = {c.reduction for c in result.runs[0].sequence if c.op == "reduce_scatter"}
+        assert averaged <= {"PREMUL_SUM"}, (case.label, averaged)
 
 
 def test_the_step_runs_on_fake_gpus_under_nccls_rules(fake_gpu_w2):

@@ -50,10 +50,12 @@ class Collective:
     dtype: str | None
     sizes: tuple[int, ...]  # numel of the input and the output (each rank's, equal on every rank)
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # all-to-all: (input, output) per peer
+    reduction: str | None = None  # the reduction of a reduce-scatter or all-reduce: "SUM", "PREMUL_SUM", ...
 
     def shape(self) -> tuple:
         """What must be equal on every rank (splits are checked pairwise instead)."""
-        return (self.op, self.dtype) if self.splits is not None else (self.op, self.dtype, self.sizes)
+        kind = (self.op, self.dtype, self.reduction)
+        return kind if self.splits is not None else (*kind, self.sizes)
 
 
 @dataclass
@@ -101,7 +103,8 @@ class SimulatedGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         (t,) = tensors
-        return self._collective("all_reduce", reads=[t], writes=[t], sizes=(t.numel(), t.numel()))
+        reduction = _reduction(opts)
+        return self._collective("all_reduce", reads=[t], writes=[t], sizes=(t.numel(), t.numel()), reduction=reduction)
 
     def reduce_scatter_single(self, output, input, opts=None):
         if input.numel() != self.size() * output.numel() or input.dtype != output.dtype:
@@ -109,7 +112,8 @@ class SimulatedGroup(dist.ProcessGroup):
                 f"reduce_scatter: input of {input.numel()} {input.dtype} elements for an output of {output.numel()} "
                 f"{output.dtype} at world size {self.size()}; NCCL needs input = W x output, one dtype"
             )
-        return self._collective("reduce_scatter", reads=[input], writes=[output], sizes=(input.numel(), output.numel()))
+        sizes, reduction = (input.numel(), output.numel()), _reduction(opts)
+        return self._collective("reduce_scatter", reads=[input], writes=[output], sizes=sizes, reduction=reduction)
 
     _reduce_scatter_base = reduce_scatter_single  # torch 2.11's name
 
@@ -170,13 +174,13 @@ class SimulatedGroup(dist.ProcessGroup):
 
     # -------------------------------------------------------------------------- checks
 
-    def _collective(self, op: str, reads, writes, sizes, splits=None):
+    def _collective(self, op: str, reads, writes, sizes, splits=None, reduction=None):
         tensors = [*reads, *writes]
         for t in tensors:
             self._check_tensor(op, t)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
         pairs = None if splits is None else tuple(map(tuple, splits))
-        self.world.sequence.append(Collective(op, dtype, tuple(sizes), pairs))
+        self.world.sequence.append(Collective(op, dtype, tuple(sizes), pairs, reduction))
         if not tensors or tensors[0].device.type != "cuda":
             return _Done(None)
         checker, device = self.world.checker, tensors[0].device
@@ -207,6 +211,12 @@ class SimulatedGroup(dist.ProcessGroup):
             )
         if not t.is_contiguous():
             raise NcclRuleError(f"rank {self.world.rank}: NCCL's {op} got a non-contiguous tensor {tuple(t.shape)}")
+
+
+def _reduction(opts) -> str | None:
+    """The reduction an options object carries (``"SUM"``, ``"MAX"``, ``"PREMUL_SUM"``), or None."""
+    op = getattr(opts, "reduceOp", None)
+    return None if op is None else str(getattr(op, "op", op)).rsplit(".", 1)[-1]
 
 
 def _create(store, rank: int, size: int, timeout) -> SimulatedGroup:

@@ -77,7 +77,12 @@ def pack_plan(bucket: Bucket, world_size: int) -> PackPlan:
 
 
 def pack_bucket(
-    bucket: Bucket, flat: torch.Tensor, world_size: int, plan: PackPlan | None = None, grads: list | None = None
+    bucket: Bucket,
+    flat: torch.Tensor,
+    world_size: int,
+    plan: PackPlan | None = None,
+    grads: list | None = None,
+    divide: bool = True,
 ) -> None:
     """Copy every param's ``.grad`` (or ``grads``, read from them) into the rank-major ``flat``
     buffer, then free every ``.grad``.
@@ -86,7 +91,8 @@ def pack_bucket(
     of the world size and lays the W chunks out rank-major, whatever the number of params; whole
     params (ordered by owner) are simply concatenated. A param with no gradient contributes zeros
     (see [Note: bucket order]). The result is divided by ``world_size`` so that a SUM collective
-    yields the average. ``plan`` is :func:`pack_plan` of the bucket, built once by the caller.
+    yields the average, unless ``divide`` is False (the collective divides: [Note: the divide in the
+    collective] in ``comm.py``). ``plan`` is :func:`pack_plan` of the bucket, built once by the caller.
     """
     plan = plan or pack_plan(bucket, world_size)
     grads = list(map(GRAD, plan.params)) if grads is None else list(grads)
@@ -102,7 +108,7 @@ def pack_bucket(
     )
     for p in plan.params:
         p.grad = None
-    if world_size > 1:
+    if world_size > 1 and divide:
         flat.div_(world_size)
 
 

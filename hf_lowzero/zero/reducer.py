@@ -66,6 +66,7 @@ class BucketReducer:
             comm.uses_point_to_point(group, b.packed_numel * (comm_dtype or b.dtype).itemsize) for b in buckets
         ]
         self.pack_plans = [pack_plan(bucket, world_size) for bucket in buckets]  # its params, in packing order
+        self.averages = comm.premultiplies(group)  # the collective divides ([Note: the divide in the collective])
 
     def launch(self, bucket: Bucket, grads: list | None = None) -> Reduction:
         """Pack ``bucket``'s gradients (``grads``, read from its params' ``.grad``, or read now),
@@ -84,8 +85,9 @@ class BucketReducer:
                 pack_bucket(bucket, out, 1, self.pack_plans[bucket.index], grads)
             return Reduction(bucket, None, out, tuple(taken))
         flat = take(bucket.packed_numel)
+        average = self.averages and not bucket.whole
         with record_function("hf_lowzero::pack_bucket"):
-            pack_bucket(bucket, flat, self.world_size, self.pack_plans[bucket.index], grads)
+            pack_bucket(bucket, flat, self.world_size, self.pack_plans[bucket.index], grads, divide=not average)
         if self.integrity is not None:
             self.integrity.after_pack(bucket, flat)
         if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
@@ -100,7 +102,7 @@ class BucketReducer:
             out = workspace[: bucket.row_numel]  # summed in place there
         else:
             out = take(bucket.row_numel)
-        work = comm.reduce_scatter(out, flat, self.group, async_op=True, workspace=workspace)
+        work = comm.reduce_scatter(out, flat, self.group, async_op=True, workspace=workspace, average=average)
         return Reduction(bucket, work, out, tuple(taken))
 
     def finish(self, reduction: Reduction) -> None:
