@@ -36,9 +36,10 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR  # noqa: E402
-from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
 from hf_lowzero.ray.holder import NAMESPACE, SnapshotHolder, all_holder_names  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.snapshot import encode_piece  # noqa: E402
 from hf_lowzero.snapshot.segments import run_folders  # noqa: E402
 from tests import ray_clusters  # noqa: E402

@@ -325,7 +325,7 @@ def test_snapshot_schedule_fixed_and_auto():
 
 def test_the_ray_jobs_snapshot_flag():
     pytest.importorskip("ray")
-    from hf_lowzero.ray import RayFinetuneConfig
+    from hf_lowzero.recipes.clm_ray import RayFinetuneConfig
 
     assert RayFinetuneConfig().snapshots == "auto"
     assert RayFinetuneConfig(snapshot_every="off").snapshots is None
