@@ -37,7 +37,8 @@ from transformers import TrainerCallback  # noqa: E402
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR  # noqa: E402
 from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
-from hf_lowzero.ray.holder import NAMESPACE, SnapshotHolder, all_holder_names  # noqa: E402
+from hf_lowzero.ray.holder import SnapshotHolder  # noqa: E402
+from hf_lowzero.ray.holder_lifetime import NAMESPACE, all_holder_names  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
 from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.snapshot import encode_piece  # noqa: E402

@@ -21,7 +21,7 @@ import warnings
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
 from hf_lowzero.ray.faults import InjectWorkerFailure
-from hf_lowzero.ray.holder import ReleaseSnapshots
+from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
 from hf_lowzero.ray.run_config import merge_run_config

@@ -8,6 +8,8 @@ gone with it, as on a real cluster. Holders are named after the run
 (``<run_id>:<node_id>`` in the ``hf_lowzero_snapshots`` namespace), so two runs, e.g. the trials of a
 Tune sweep, never see each other's pieces.
 
+Its lifetime (names, finding a run's holders, ending them) is ``holder_lifetime.py``.
+
 Example (inside a Ray Train worker)::
 
     holder = holder_for(run, node_id)                                  # get or create
@@ -48,24 +50,11 @@ Example (inside a Ray Train worker)::
 # snapshots are rollback points ([Note: rollback] in ``integrity.py``), so the newest complete one
 # that passed is kept until a newer one that passed completes.
 
-# [Note: holder lifetime]
-# A holder is detached: it must outlive the worker group that created it, through every restart.
-# Three things end it, and its memory with it:
-# - the run finishing, successfully or failed for good, or being aborted (Ctrl-C, a Tune stop):
-#   ``ReleaseSnapshots``, a callback of the run's Ray Train controller (the Ray job's recipe adds
-#   it; add it to your own ``RunConfig(callbacks=[...])``), ends every holder of the run;
-# - training ending normally: the first rank ends them (``MemorySnapshots.on_train_end``);
-# - the run's controller going away (the driver exited or was killed, a Tune trial died): each
-#   holder watches it in the GCS by id, never through a handle (a handle would keep it alive), and
-#   exits within seconds. A finished controller may live on while its driver does (Ray Train's
-#   SIGINT handler holds it), which is why the callback, not the watch, is the first line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import queue
 import threading
@@ -76,44 +65,17 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback  # Ray Train V2's; no public name
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.ray.holder_lifetime import NAMESPACE, RunIdentity, actor_alive, sweep_left_over_runs
 from hf_lowzero.snapshot import segments
 from hf_lowzero.snapshot.format import frame_of, manifest_error, payload_error, piece_length_error, read_manifest
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
 from hf_lowzero.snapshot.transfer import Endpoint, Link, ask_all
 
-NAMESPACE = "hf_lowzero_snapshots"
 WATCH_INTERVAL_S = 1.0
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """The fit a worker belongs to: Ray Train's run id (new for every ``fit()``, the same across its
-    restarts) and its controller actor's id.
-    """
-
-    run_id: str
-    controller_id: str | None
-
-    def holder_name(self, node_id: str) -> str:
-        """The name of this run's holder on node ``node_id``."""
-        return f"{self.run_id}:{node_id}"
-
-
-def current_run() -> RunIdentity:
-    """The run of this Ray Train worker (Ray Train 2.5x, V2)."""
-    # Ray Train V2 keeps both in its internal train context; no public API names them.
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    context = get_train_context()
-    controller = getattr(context, "controller_actor", None)
-    controller_id = controller._actor_id.hex() if controller is not None else None
-    return RunIdentity(context.train_run_context.run_id, controller_id)
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -149,7 +111,7 @@ class SnapshotHolder:
             spares=self.folder,
         )
         threading.Thread(target=self._deliver_marks, daemon=True).start()
-        threading.Thread(target=_sweep_left_over_runs, daemon=True).start()  # [Note: snapshot folder]
+        threading.Thread(target=sweep_left_over_runs, daemon=True).start()  # [Note: snapshot folder]
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
@@ -409,11 +371,11 @@ class SnapshotHolder:
         return f"a holder of the run is gone, step {step} is not marked everywhere ({failed[0][1]})"
 
     def _watch(self, controller_id: str, interval_s: float) -> None:
-        # [Note: holder lifetime]
+        # [Note: holder lifetime] in holder_lifetime.py
         misses = 0
         while misses < 3:  # three checks in a row: a GCS that did not answer once is not a dead run
             time.sleep(interval_s)
-            misses = 0 if _actor_alive(controller_id) else misses + 1
+            misses = 0 if actor_alive(controller_id) else misses + 1
         self.close()
         os._exit(0)
 
@@ -429,18 +391,6 @@ class _Mark:
     error: str | None = None
 
 
-def _sweep_left_over_runs() -> None:
-    """Remove this machine's snapshot folders of runs that no holder in this cluster serves.
-
-    Only folders untouched for ``segments.STALE_S`` go ([Note: snapshot folder] in ``segments.py``).
-    """
-    with contextlib.suppress(Exception):  # housekeeping: never the holder's failure
-        live = {entry["name"].split(":", 1)[0] for entry in ray.util.list_named_actors(all_namespaces=True)
-                if entry["namespace"] == NAMESPACE}  # fmt: skip
-        for folder in segments.sweep(live):
-            logger.warning("[hf_lowzero] removed the memory snapshots a finished run left in %s", folder)
-
-
 def _size(manifest: dict[str, Any]) -> int:
     return max(end for _, end in manifest["parts"].values())
 
@@ -454,66 +404,3 @@ def holder_for(run: RunIdentity, node_id: str):
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(node_id, run.controller_id, run.run_id)
-
-
-def run_holders(run_id: str) -> dict[str, Any]:
-    """The live holders of run ``run_id``: ``{name: handle}``."""
-    names = [
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(f"{run_id}:")
-    ]
-    holders = {}
-    for name in names:
-        try:
-            holders[name] = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:  # gone since it was listed
-            continue
-    return holders
-
-
-def all_holder_names() -> list[str]:
-    """Every live holder of every run (what a test checks is gone after a run)."""
-    return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE]
-
-
-def release_run(run_id: str) -> None:
-    """End every holder of run ``run_id`` now (their memory is freed)."""
-    handles = list(run_holders(run_id).values())
-    for handle, ref in [(h, h.close.remote()) for h in handles]:
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            ray.get(ref, timeout=30)  # its files first: killed, a holder would leave them behind
-        ray.kill(handle)
-
-
-class ReleaseSnapshots(ControllerCallback):
-    """A Ray Train controller callback that ends the run's snapshot holders when the run finishes
-    (successfully or failed for good) or is aborted ([Note: holder lifetime]).
-
-    Example::
-
-        TorchTrainer(train_func, run_config=RunConfig(callbacks=[ReleaseSnapshots()]), ...).fit()
-    """
-
-    def after_controller_start(self, train_run_context) -> None:
-        """Remember the run's id."""
-        self.run_id = train_run_context.run_id
-
-    def after_controller_finish(self, result) -> None:
-        """The run finished (successfully or failed for good): end its holders."""
-        release_run(self.run_id)
-
-    def before_controller_abort(self) -> None:
-        """The run is aborted (Ctrl-C, a Tune stop): end its holders."""
-        release_run(self.run_id)
-
-
-def _actor_alive(actor_id: str) -> bool:
-    # The GCS actor table, read without the dashboard's state API (which a cluster may not run).
-    from ray._private import state
-
-    try:
-        info = state.actors(actor_id=actor_id)
-    except Exception:  # the GCS is unreachable: the cluster is going away
-        return False
-    return bool(info) and info.get("State") not in ("DEAD", None)

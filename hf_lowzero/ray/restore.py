@@ -29,7 +29,7 @@ import ray
 import torch.distributed as dist
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
-from hf_lowzero.ray.holder import NAMESPACE, current_run, run_holders
+from hf_lowzero.ray.holder_lifetime import NAMESPACE, current_run, run_holders
 from hf_lowzero.snapshot.format import safetensors_error, write_part, write_zero_metadata
 from hf_lowzero.trainer.snapshot_files import write_trainer_files
 

@@ -13,7 +13,7 @@ import dataclasses
 
 from ray.train import RunConfig
 
-from hf_lowzero.ray.holder import ReleaseSnapshots
+from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
 
 # RunConfig.__post_init__ names a run it was given no name for "ray_train_run-<date>".
 _UNNAMED_RUN_PREFIX = "ray_train_run-"
@@ -21,7 +21,8 @@ _UNNAMED_RUN_PREFIX = "ray_train_run-"
 
 def with_snapshot_release(run_config: RunConfig) -> RunConfig:
     """``run_config`` with ``ReleaseSnapshots`` among its callbacks (once): the run's memory
-    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime]).
+    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime] in
+    ``holder_lifetime.py``).
 
     Args:
         run_config: The run's configuration.

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hf_lowzero.ray.holder import current_run, holder_for, release_run
+from hf_lowzero.ray.holder import holder_for
+from hf_lowzero.ray.holder_lifetime import current_run, release_run
 from hf_lowzero.ray.restore import discard, last_resume
 from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, MAX_INTERVAL, SnapshotSchedule, buddy_nodes
 from hf_lowzero.snapshot import ShardStager, Staged
