@@ -175,7 +175,8 @@ def test_a_piece_that_changed_on_the_way_is_refused(snapshotted):
 def test_a_pieces_details_travel_in_its_file_and_only_its_frame_as_json(snapshotted, tmp_path):
     # [Note: details in the file]: what a holder is sent is a few hundred bytes, whatever the log's
     # length; the whole manifest comes back from the file, and changed details are refused.
-    from hf_lowzero.snapshot.format import DETAILS_ALIGN, frame_of, piece_file_error, read_manifest
+    from hf_lowzero.snapshot.checks import piece_file_error
+    from hf_lowzero.snapshot.format import DETAILS_ALIGN, frame_of, read_manifest
 
     manifest = json.loads((snapshotted / "pieces" / "manifest_0.json").read_text())
     path = tmp_path / "piece"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_lowzero.snapshot.format import payload_error, piece_file_error, write_piece
+from hf_lowzero.snapshot.checks import payload_error, piece_file_error
+from hf_lowzero.snapshot.format import write_piece
 from hf_lowzero.snapshot.transfer import LENGTH, Endpoint, Link, ask_all
 
 

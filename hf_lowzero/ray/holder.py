@@ -70,7 +70,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hf_lowzero.checkpoint.shards import atomic_write
 from hf_lowzero.ray.holder_lifetime import NAMESPACE, RunIdentity, actor_alive, sweep_left_over_runs
 from hf_lowzero.snapshot import segments
-from hf_lowzero.snapshot.format import frame_of, manifest_error, payload_error, piece_length_error, read_manifest
+from hf_lowzero.snapshot.checks import payload_error, piece_length_error
+from hf_lowzero.snapshot.format import frame_of, manifest_error, read_manifest
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.segments import node_folder
 from hf_lowzero.snapshot.transfer import Endpoint, Link, ask_all

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.ray.holder_lifetime import NAMESPACE, current_run, run_holders
-from hf_lowzero.snapshot.format import safetensors_error, write_part, write_zero_metadata
+from hf_lowzero.snapshot.checkpoint_files import write_part, write_zero_metadata
+from hf_lowzero.snapshot.checks import safetensors_error
 from hf_lowzero.trainer.snapshot_files import write_trainer_files
 
 logger = logging.getLogger(__name__)

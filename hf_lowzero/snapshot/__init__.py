@@ -6,14 +6,9 @@ pieces back into a checkpoint folder that ``load_checkpoint`` reads at any world
 pieces are kept (per-node holders on Ray) is ``hf_lowzero.ray.snapshots``.
 """
 
-from hf_lowzero.snapshot.format import (
-    MARKER_FILE,
-    Piece,
-    encode_piece,
-    payload_error,
-    write_part,
-    write_zero_metadata,
-)
+from hf_lowzero.snapshot.checkpoint_files import write_part, write_zero_metadata
+from hf_lowzero.snapshot.checks import payload_error
+from hf_lowzero.snapshot.format import MARKER_FILE, Piece, encode_piece
 from hf_lowzero.snapshot.stager import ShardStager, Staged
 
 __all__ = [

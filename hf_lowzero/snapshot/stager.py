@@ -30,7 +30,7 @@ Example::
 # of it. The write then needs no per-tensor work in torch (a view, a reshape, a numpy
 # array per tensor: most of the write for the main job's 84 small tensors): it checksums each
 # chunk at its known offset and copies the block into the file a megabyte at a time, each block
-# right after its checksums, while it is in cache (``FileLayout.write_data`` in ``format.py``).
+# right after its checksums, while it is in cache (``FileLayout.write_data`` in ``file_layout.py``).
 
 # [Note: written from the live shard]
 # On the host, a piece is written by the stop itself ([Note: written at the stop] in
@@ -67,7 +67,8 @@ from hf_lowzero.checkpoint.layout import extra_key
 from hf_lowzero.checkpoint.save import checkpoint_metadata, owned_whole
 from hf_lowzero.checkpoint.shards import ShardView
 from hf_lowzero.snapshot.copy_plan import CopyPlan
-from hf_lowzero.snapshot.format import Piece, encode_piece, file_layout, write_piece
+from hf_lowzero.snapshot.file_layout import file_layout
+from hf_lowzero.snapshot.format import Piece, encode_piece, write_piece
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.model_extras import ModelExtras
 from hf_lowzero.zero import device as dev
@@ -108,7 +109,7 @@ class Staged:
 
     def write(self, path: str | Path, spares: str | Path | None = None, **manifest_fields: Any) -> dict[str, Any]:
         """Write the piece into the new file ``path`` in one pass ([Note: one pass over the shard]
-        in ``format.py``), over a spare file of ``spares`` when there is one; returns its manifest
+        in ``file_layout.py``), over a spare file of ``spares`` when there is one; returns its manifest
         and frees the buffer."""
         try:
             dev.host_waits(self.copied)
