@@ -1,11 +1,12 @@
 """What is wrong with a snapshot's piece, read without torch and without pickle: its frame against
 its length (what a holder checks as a piece lands), its safetensors headers and each tensor's
 extent, and each chunk's checksum (what a restore checks before it uses a piece: [Note: complete
-snapshot] in ``hf_lowzero/ray/holder.py``).
+snapshot] in ``protocol.py``). A frame that is not one of ours is refused before, by
+``Frame.from_wire``.
 
 Example::
 
-    payload_error(manifest, payload)                  # None, or what is wrong
+    payload_error(manifest.frame, payload)            # None, or what is wrong
     piece_length_error(frame, "/dev/shm/.../step00000015-rank00001.piece")
 """
 
@@ -18,28 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from hf_lowzero.checkpoint.layout import byte_chunk_checksums, crc32
-from hf_lowzero.snapshot.format import DETAILS, manifest_error
+from hf_lowzero.snapshot.format import DETAILS, Frame
 
 # Bytes per element of each safetensors dtype tag, to walk a payload's chunks without torch.
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 
 
-def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksums: bool = True) -> str | None:
-    """What is wrong with a piece (its format, its length, each tensor's extent and, with
-    ``checksums``, each chunk's checksum), or None. Reads the safetensors headers with ``json`` and
+def payload_error(frame: Frame, payload: bytes | memoryview, checksums: bool = True) -> str | None:
+    """What is wrong with the piece ``payload`` whose frame is ``frame`` (its length, each tensor's
+    extent and, with ``checksums``, each chunk's checksum), or None. Reads the safetensors headers with ``json`` and
     checks bytes with CRC-32: no torch, no pickle. A holder checks a piece's frame and length as it
     lands; a restore checks all of it before it uses a piece ([Note: complete snapshot])."""
     view = memoryview(payload)
-    error = manifest_error(manifest, len(view))
+    error = frame.size_error(len(view))
     if error is not None:
         return error
-    for name, (start, end) in manifest["parts"].items():
+    for name, (start, end) in frame.parts.items():
         if name == DETAILS:  # JSON, read at a restore ([Note: details in the file])
             error = (
-                "does not match its checksum"
-                if checksums and crc32(view[start:end]) != manifest["details_crc32"]
-                else None
+                "does not match its checksum" if checksums and crc32(view[start:end]) != frame.details_crc32 else None
             )
         else:
             error = safetensors_error(view[start:end], checksums)
@@ -48,17 +47,17 @@ def payload_error(manifest: dict[str, Any], payload: bytes | memoryview, checksu
     return None
 
 
-def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
+def piece_file_error(frame: Frame, path: str | Path) -> str | None:
     """What is wrong with the structure of the piece in file ``path`` (``payload_error`` without the
     checksums), reading only its headers."""
     path = Path(path)
     if not path.is_file():
         return f"no piece at {path}"
-    error = manifest_error(manifest, path.stat().st_size)
+    error = frame.size_error(path.stat().st_size)
     if error is not None:
         return error
     with open(path, "rb") as f:
-        for name, (start, end) in manifest["parts"].items():
+        for name, (start, end) in frame.parts.items():
             if name == DETAILS:  # JSON, checked when a restore reads it ([Note: details in the file])
                 continue
             f.seek(start)
@@ -75,15 +74,15 @@ def piece_file_error(manifest: dict[str, Any], path: str | Path) -> str | None:
     return None
 
 
-def piece_length_error(manifest: dict[str, Any], path: str | Path) -> str | None:
+def piece_length_error(frame: Frame, path: str | Path) -> str | None:
     """What is wrong with the piece in file ``path`` as far as its frame and its length tell (no
     byte of it is read), or None: what a holder checks as a piece lands ([Note: complete snapshot]
-    in ``hf_lowzero/ray/holder.py``)."""
+    in ``protocol.py``)."""
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
         return f"no piece at {path}"
-    return manifest_error(manifest, size)
+    return frame.size_error(size)
 
 
 def safetensors_error(blob: bytes | memoryview, checksums: bool = True) -> str | None:
