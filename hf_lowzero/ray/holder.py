@@ -132,9 +132,8 @@ class SnapshotHolder:
             self._forget(node)
             return f"the buddy node's holder is gone or cannot be reached ({e})"
         try:
-            return link.send_piece(
-                frame.wire(), path, then.wire() if then is not None else None
-            )  # [Note: piece transfer]
+            marks = then.wire() if then is not None else None
+            return link.send_piece(frame.wire(), path, marks)  # [Note: piece transfer]
         except OSError as e:
             self._forget(node)
             return (
