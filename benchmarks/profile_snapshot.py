@@ -43,8 +43,8 @@ from transformers import TrainerCallback  # noqa: E402
 
 from benchmarks.common import gpt2, markdown_table, write_results  # noqa: E402
 from benchmarks.recovery import WARMUP, StepClock, fit, read_log, step_ms, use_code  # noqa: E402
-from hf_lowzero.ray import RayFinetuneConfig  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig  # noqa: E402
 from hf_lowzero.snapshot.priority import ENV  # noqa: E402
 
 PARTS = ["stopped_s", "write_s", "send_s", "mark_s", "chain_s"]

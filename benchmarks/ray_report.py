@@ -3,7 +3,7 @@
     python benchmarks/ray_report.py                  # ~7 min on a 2-core CPU machine
     python benchmarks/ray_report.py --rounds 1 --n-layer 4 --n-embd 256 --vocab 8192   # ~1 min, small
 
-A 2-worker Ray Train fine-tune (gloo, ZeRO-2, ``hf_lowzero.ray.run_finetune``) of a GPT-2 small
+A 2-worker Ray Train fine-tune (gloo, ZeRO-2, ``hf_lowzero.recipes.clm_ray.run_finetune``) of a GPT-2 small
 sized model (12 layers, width 768, 50257-token vocabulary: 124M parameters, random init from the
 config) saves and reports a checkpoint every ``--save-steps`` steps: 0.5 GB of weights and 1.5 GB of
 fp32 optimizer shards. The runs differ only in ``checkpoint_upload``: ``sync`` (``report()`` returns
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from benchmarks.common import gpt2, write_results  # noqa: E402
-from hf_lowzero.ray import RayFinetuneConfig, run_finetune  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, run_finetune  # noqa: E402
 
 
 def one_run(mode: str, name: str, a, model_dir: Path, storage: Path) -> dict:

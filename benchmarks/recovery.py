@@ -60,9 +60,10 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from benchmarks.common import RESULTS, bar_plot, gpt2, markdown_table, write_results  # noqa: E402
-from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
 from hf_lowzero.ray.restore import last_resume  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 
 WARMUP = 5
 SETTINGS = ["off", 1, 2, 5, 10, "auto"]

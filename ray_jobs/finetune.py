@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import ray  # noqa: E402
 
-from hf_lowzero.ray import RayFinetuneConfig  # noqa: E402
-from hf_lowzero.ray.console import quiet_ray_train, start_local_ray  # noqa: E402
-from hf_lowzero.ray.summary import RunSummary, run_with_summary  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, RunSummary, run_with_summary  # noqa: E402
+from hf_lowzero.recipes.clm_ray.local_ray import quiet_ray_train, start_local_ray  # noqa: E402
 
 
 def parse_args(argv=None) -> tuple[str | None, str | None, RayFinetuneConfig]:

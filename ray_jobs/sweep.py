@@ -23,7 +23,7 @@ from ray import tune  # noqa: E402
 from ray.train import RunConfig  # noqa: E402
 from ray.tune.integration.ray_train import TuneReportCallback  # noqa: E402
 
-from hf_lowzero.ray import RayFinetuneConfig, build_trainer  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 
 # A trial's function only drives its TorchTrainer, so it runs on the head and takes no CPU, as the
 # main job's driver does. On a worker node it would keep that node from ever scaling down: Ray Train

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_lowzero.ray import RayFinetuneConfig
 from hf_lowzero.recipes.clm import finetune_clm
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig
 from hf_lowzero.testing import run_distributed
 
 

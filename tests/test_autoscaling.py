@@ -21,7 +21,7 @@ import ray.autoscaler  # noqa: E402
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 
-from hf_lowzero.ray import RayFinetuneConfig  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

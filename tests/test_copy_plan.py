@@ -14,7 +14,7 @@ from torch.nn.functional import mse_loss
 from hf_lowzero.checkpoint.save import shard_tensors
 from hf_lowzero.checkpoint.shards import ShardView
 from hf_lowzero.snapshot import ShardStager
-from hf_lowzero.snapshot.format import file_layout
+from hf_lowzero.snapshot.file_layout import file_layout
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 from tests.models import BranchyNet, make_inner

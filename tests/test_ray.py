@@ -32,10 +32,11 @@ ray = pytest.importorskip("ray")
 
 from examples.ray_classifier import classifier_trainer, tiny_bert, train_func, training_arguments  # noqa: E402
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint  # noqa: E402
-from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer, run_finetune  # noqa: E402
-from hf_lowzero.ray.attempts import count_attempts  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
 from hf_lowzero.ray.faults import FAILURE_MARKER  # noqa: E402
 from hf_lowzero.ray.reporting import stage_owned_files  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer, run_finetune  # noqa: E402
+from hf_lowzero.recipes.clm_ray.attempts import count_attempts  # noqa: E402
 from hf_lowzero.testing import run_distributed  # noqa: E402
 from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
 from tests.ray_checkpoints import missing_files, step_of  # noqa: E402

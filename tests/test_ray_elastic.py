@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from hf_lowzero.ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of, trainer_checkpoint  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402

@@ -58,7 +58,7 @@ def test_workers_get_cpus_for_the_host_step_and_a_collective_timeout(monkeypatch
     sys.path.insert(0, str(ROOT / "ray_jobs"))
     from finetune import parse_args
 
-    from hf_lowzero.ray.recipe import build_trainer
+    from hf_lowzero.recipes.clm_ray import build_trainer
 
     gpu_nodes = [{"CPU": 48.0, "GPU": 4.0}, {"CPU": 4.0}, {"CPU": 20.0, "GPU": 2.0}]
     config = parse_args(["--use-gpu"])[2]
@@ -104,3 +104,23 @@ def test_bad_values_of_every_ray_job_get_argparse_errors(capsys):
     assert "--max-concurrent 0 is invalid" in refused(sweep.main, ["--max-concurrent", "0"], capsys)
     assert "--timeout -1.0 is invalid" in refused(submit.main, ["--timeout", "-1"], capsys)
     assert "--max-steps 0 is invalid" in refused(autoscale_demo.main, ["--max-steps", "0"], capsys)
+
+
+def test_the_job_lives_above_the_ray_library_whose_old_names_still_work():
+    """``hf_lowzero.ray`` never imports the job (``hf_lowzero.recipes.clm_ray``); the job's names it
+    used to export are deprecated aliases of the job's own."""
+    import subprocess
+
+    probe = "import sys, hf_lowzero.ray; print(sorted(m for m in sys.modules if m.startswith('hf_lowzero.recipes')))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert done.stdout.strip() == "[]"
+
+    import hf_lowzero.ray
+    from hf_lowzero.recipes import clm_ray
+
+    for name in ("RayFinetuneConfig", "build_trainer", "run_finetune", "train_loop_per_worker"):
+        assert name in hf_lowzero.ray.__all__
+        with pytest.warns(DeprecationWarning, match=f"hf_lowzero.ray.{name} is deprecated"):
+            assert getattr(hf_lowzero.ray, name) is getattr(clm_ray, name)
+    with pytest.raises(AttributeError):
+        hf_lowzero.ray.no_such_name  # noqa: B018

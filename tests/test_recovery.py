@@ -36,10 +36,13 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR  # noqa: E402
-from hf_lowzero.ray import InjectWorkerFailure, RayFinetuneConfig, build_trainer  # noqa: E402
-from hf_lowzero.ray.holder import NAMESPACE, SnapshotHolder, all_holder_names  # noqa: E402
+from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
+from hf_lowzero.ray.holder import SnapshotHolder  # noqa: E402
+from hf_lowzero.ray.holder_lifetime import NAMESPACE, all_holder_names  # noqa: E402
 from hf_lowzero.ray.snapshots import snapshot_takers  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from hf_lowzero.snapshot import encode_piece  # noqa: E402
+from hf_lowzero.snapshot.protocol import HeldStep, StepMarks  # noqa: E402
 from hf_lowzero.snapshot.segments import run_folders  # noqa: E402
 from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
@@ -167,8 +170,8 @@ def decoy_holder(node_id: str):
     holder = SnapshotHolder.options(name=f"another-run:{node_id}", namespace=NAMESPACE, lifetime="detached",
                                     scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                                         node_id, soft=False)).remote(node_id, None, "another-run")  # fmt: skip
-    piece = encode_piece({"master/w": torch.ones(4)}, {}, {"step": 999, "rank": 0, "world_size": 1, "records": {}})
-    assert ray.get(holder.put.remote(json.dumps(piece.manifest), piece.payload)) is None
+    piece = encode_piece({"master/w": torch.ones(4)}, {}, step=999, rank=0, world_size=1, details={"records": {}})
+    assert ray.get(holder.put.remote(piece.manifest.frame, piece.payload)) is None
     ray.get(holder.mark.remote(999, 0, 1))
     return holder
 
@@ -184,9 +187,7 @@ def test_a_killed_process_resumes_from_its_own_nodes_memory_unseen_by_other_runs
         assert (m["resumed_from"], m["resumed_from_step"], m["newest_storage_step"]) == ("memory", KILL_AT - 1, SAVE)
         assert m["memory_pieces_from_other_nodes"] == 0
         assert_like_uninterrupted(result, clean)
-        assert ray.get(decoy.index.remote())["steps"] == {
-            999: {"world_size": 1, "marked": [0], "pieces": [0], "verified": None}
-        }
+        assert ray.get(decoy.index.remote()).steps == {999: HeldStep(StepMarks(1, frozenset({0})), frozenset({0}))}
     finally:
         ray.get(decoy.close.remote())
         ray.kill(decoy)
@@ -286,7 +287,7 @@ def test_a_holder_exits_once_its_runs_controller_is_gone(cluster):
     holder = SnapshotHolder.options(name=f"watched:{node}", namespace=NAMESPACE, lifetime="detached").remote(
         node, controller._actor_id.hex(), run_id="watched", watch_interval_s=0.2
     )
-    assert ray.get(holder.index.remote())["steps"] == {}
+    assert ray.get(holder.index.remote()).steps == {}
     time.sleep(2)
     assert all_holder_names() == [f"watched:{node}"], "a holder of a live run exited"
     ray.kill(controller)

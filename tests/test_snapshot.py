@@ -11,6 +11,7 @@ way is refused. Plus the pure decisions: buddy nodes, the snapshot schedule and 
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from transformers import TrainerCallback
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint
 from hf_lowzero.checkpoint.layout import CHECKSUM_CHUNK_NUMEL, META_FILE, TRAINER_SUBDIR, rank_file_name
 from hf_lowzero.snapshot import MARKER_FILE, ShardStager, payload_error, write_part, write_zero_metadata
-from hf_lowzero.snapshot.format import encode_piece, write_piece
+from hf_lowzero.snapshot.format import Frame, Manifest, encode_piece, write_piece
 from hf_lowzero.snapshot.stager import _staging_like
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.trainer.snapshot_files import rng_from_json, rng_to_json, trainer_manifest, write_trainer_files
@@ -52,7 +53,8 @@ class KeepPieces(TrainerCallback):
         rank = dist.get_rank()
         piece = self.staged.encode(**self.fields)
         self.stager.close()
-        (self.out / f"manifest_{rank}.json").write_text(json.dumps(piece.manifest))
+        kept = {"frame": piece.manifest.frame.wire(), "details": piece.manifest.details}
+        (self.out / f"manifest_{rank}.json").write_text(json.dumps(kept))
         (self.out / f"payload_{rank}.bin").write_bytes(piece.payload)
 
 
@@ -74,15 +76,15 @@ def _train(rank, world_size, out, resume=None, keep=None):
 def _restore(rank, world_size, keep, folder):
     """What ``hf_lowzero.ray.restore`` does on each node, from pieces kept in files."""
     keep, checkpoint = Path(keep), Path(folder) / f"checkpoint-{SNAP}"
-    manifests = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in keep.glob("manifest_*.json")}
+    manifests = {int(p.stem.split("_")[1]): _manifest(p) for p in keep.glob("manifest_*.json")}
     mine = [rank] if world_size == len(manifests) else sorted(manifests)  # a resize reads every saved rank
     for j in mine:
-        write_part(checkpoint / TRAINER_SUBDIR, manifests[j], "shard", _part(keep, manifests[j], "shard"))
+        write_part(checkpoint / TRAINER_SUBDIR, manifests[j].frame, "shard", _part(keep, manifests[j], "shard"))
     if rank == 0:
-        if "extras" in manifests[0]["parts"]:
-            write_part(checkpoint / TRAINER_SUBDIR, manifests[0], "extras", _part(keep, manifests[0], "extras"))
+        if "extras" in manifests[0].frame.parts:
+            write_part(checkpoint / TRAINER_SUBDIR, manifests[0].frame, "extras", _part(keep, manifests[0], "extras"))
         write_zero_metadata(checkpoint / TRAINER_SUBDIR, manifests)
-    write_trainer_files(checkpoint, manifests, mine, common=rank == 0)
+    write_trainer_files(checkpoint, {j: m.as_json() for j, m in manifests.items()}, mine, common=rank == 0)
     dist.barrier()
     _train(rank, world_size, Path(folder) / "out", resume=str(checkpoint))
 
@@ -94,9 +96,14 @@ def _header_and_data(blob: bytes) -> tuple[dict, bytes]:
     return json.loads(blob[8 : 8 + size]), blob[8 + size :]
 
 
-def _part(keep: Path, manifest: dict, name: str) -> bytes:
-    start, end = manifest["parts"][name]
-    return (keep / f"payload_{manifest['rank']}.bin").read_bytes()[start:end]
+def _manifest(path: Path) -> Manifest:
+    kept = json.loads(path.read_text())
+    return Manifest(Frame.from_wire(kept["frame"]), kept["details"])
+
+
+def _part(keep: Path, manifest: Manifest, name: str) -> bytes:
+    start, end = manifest.frame.parts[name]
+    return (keep / f"payload_{manifest.frame.rank}.bin").read_bytes()[start:end]
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +123,15 @@ def _final(out: Path) -> tuple[dict, dict]:
 def test_a_pieces_shard_is_the_rank_file_of_the_checkpoint_of_the_same_step(snapshotted):
     checkpoint = snapshotted / "full" / f"checkpoint-{SNAP}" / TRAINER_SUBDIR
     for rank in range(2):
-        manifest = json.loads((snapshotted / "pieces" / f"manifest_{rank}.json").read_text())
-        assert manifest["step"] == SNAP and manifest["world_size"] == 2
+        manifest = _manifest(snapshotted / "pieces" / f"manifest_{rank}.json")
+        assert (manifest.frame.step, manifest.frame.rank, manifest.frame.world_size) == (SNAP, rank, 2)
         piece = _header_and_data(_part(snapshotted / "pieces", manifest, "shard"))
         assert piece == _header_and_data((checkpoint / rank_file_name(rank, 2)).read_bytes())
     # No model weights in memory: params are the masters cast down (and frozen ones the model's as built).
-    assert "model.safetensors" not in manifest and set(manifest["parts"]) <= {"shard", "extras", "details"}
+    assert "model.safetensors" not in manifest.details and set(manifest.frame.parts) <= {"shard", "extras", "details"}
     # Described after training went on ([Note: described off the loop]): still step SNAP's state.
     stored = json.loads((checkpoint / META_FILE).read_text())
-    described = json.loads((snapshotted / "pieces" / "manifest_0.json").read_text())["zero_meta"]
+    described = _manifest(snapshotted / "pieces" / "manifest_0.json").details["zero_meta"]
     for key in ["params", "param_groups", "loss_scaler", "skipped_steps", "stage", "world_size"]:
         assert described[key] == stored[key], key
     steps = {json.dumps(record["scalar_state"]["step"]) for record in described["params"].values()}
@@ -160,32 +167,40 @@ def test_pieces_reshard_to_one_rank_like_the_storage_checkpoint(snapshotted, tmp
 
 
 def test_a_piece_that_changed_on_the_way_is_refused(snapshotted):
-    manifest = json.loads((snapshotted / "pieces" / "manifest_1.json").read_text())
+    frame = _manifest(snapshotted / "pieces" / "manifest_1.json").frame
     payload = bytearray((snapshotted / "pieces" / "payload_1.bin").read_bytes())
-    assert payload_error(manifest, payload) is None
+    assert payload_error(frame, payload) is None
     for part in ["shard", "details"]:
         flipped = bytearray(payload)
-        flipped[manifest["parts"][part][1] - 5] ^= 0x40
-        error = payload_error(manifest, flipped)
+        flipped[frame.parts[part][1] - 5] ^= 0x40
+        error = payload_error(frame, flipped)
         assert error.startswith(f"part {part!r}: ") and error.endswith("does not match its checksum")
-    assert "bytes, the manifest describes" in payload_error(manifest, payload[:-10])
-    assert payload_error({**manifest, "format": "pickle"}, payload) == "not an hf_lowzero snapshot piece"
+    assert "bytes, the manifest describes" in payload_error(frame, payload[:-10])
+    for changed, error in [({"format": "pickle"}, "not an hf_lowzero snapshot piece"),
+                           ({"format_version": 2}, "snapshot format version 2, expected 3"),
+                           ({"parts": {"shard": frame.parts["shard"]}}, "a piece without its details"),
+                           ({"step": None}, "not an hf_lowzero snapshot piece (TypeError")]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(error)):
+            Frame.from_wire({**frame.wire(), **changed})
 
 
 def test_a_pieces_details_travel_in_its_file_and_only_its_frame_as_json(snapshotted, tmp_path):
     # [Note: details in the file]: what a holder is sent is a few hundred bytes, whatever the log's
     # length; the whole manifest comes back from the file, and changed details are refused.
-    from hf_lowzero.snapshot.format import DETAILS_ALIGN, frame_of, piece_file_error, read_manifest
+    from hf_lowzero.snapshot.checks import piece_file_error
+    from hf_lowzero.snapshot.format import DETAILS_ALIGN, read_manifest
 
-    manifest = json.loads((snapshotted / "pieces" / "manifest_0.json").read_text())
+    manifest = _manifest(snapshotted / "pieces" / "manifest_0.json")
     path = tmp_path / "piece"
     path.write_bytes((snapshotted / "pieces" / "payload_0.bin").read_bytes())
-    frame = frame_of(manifest)
-    assert set(frame) == {"format", "format_version", "step", "rank", "world_size", "parts", "details_crc32"}
-    assert len(json.dumps(frame)) < 400 < len(json.dumps(manifest))
+    frame = manifest.frame
+    wire = frame.wire()
+    assert set(wire) == {"format", "format_version", "step", "rank", "world_size", "parts", "details_crc32"}
+    assert Frame.from_wire(json.loads(json.dumps(wire))) == frame
+    assert len(json.dumps(wire)) < 400 < len(json.dumps(manifest.as_json()))
     assert piece_file_error(frame, path) is None
     assert read_manifest(frame, path) == manifest
-    start, end = frame["parts"]["details"]
+    start, end = frame.parts["details"]
     assert (end - start) % DETAILS_ALIGN == 0 and end == path.stat().st_size
     data = bytearray(path.read_bytes())
     data[start + 2] ^= 0x01
@@ -210,16 +225,16 @@ def test_a_piece_staged_as_one_buffer_is_the_piece_written_tensor_by_tensor(tmp_
     assert data is not None
     for key, t in shard.items():
         stager_buffers[key].copy_(t)
-    manifest = {"step": 3, "rank": 0, "world_size": 1}
-    one_by_one = write_piece(shard, {}, manifest, tmp_path / "a.piece")
-    packed = write_piece(stager_buffers, {}, manifest, tmp_path / "b.piece", shard_data=memoryview(data.numpy()))
+    which = {"step": 3, "rank": 0, "world_size": 1, "details": {}}
+    one_by_one = write_piece(shard, {}, tmp_path / "a.piece", **which)
+    packed = write_piece(stager_buffers, {}, tmp_path / "b.piece", **which, shard_data=memoryview(data.numpy()))
     assert packed == one_by_one
     assert (tmp_path / "b.piece").read_bytes() == (tmp_path / "a.piece").read_bytes()
-    assert payload_error(packed, (tmp_path / "b.piece").read_bytes()) is None  # every checksum checked
+    assert payload_error(packed.frame, (tmp_path / "b.piece").read_bytes()) is None  # every checksum checked
     data[len(data) // 2] ^= 1  # a changed byte: the checksums of the staged data are its own
-    piece = encode_piece(stager_buffers, {}, manifest, memoryview(data.numpy()))
+    piece = encode_piece(stager_buffers, {}, **which, shard_data=memoryview(data.numpy()))
     assert piece.payload != (tmp_path / "a.piece").read_bytes()
-    assert payload_error(piece.manifest, piece.payload) is None
+    assert payload_error(piece.manifest.frame, piece.payload) is None
 
 
 def test_a_piece_written_from_the_live_shard_is_the_piece_written_tensor_by_tensor(tmp_path):
@@ -240,22 +255,22 @@ def test_a_piece_written_from_the_live_shard_is_the_piece_written_tensor_by_tens
         "e.empty": torch.zeros(0),
     }
     live = _file_bytes(shard)
-    manifest = {"step": 3, "rank": 0, "world_size": 1}
+    which = {"rank": 0, "world_size": 1, "details": {}}
     files = MappedFiles()
     for step in range(3):  # the same file mapped again, then a spare taken over
         for t in shard.values():
             t.add_(1)  # the live shard changed in place: the views see it
         path = tmp_path / f"live{step}.piece"
-        written = write_piece(shard, {}, {**manifest, "step": step}, path, tmp_path, files, shard_bytes=live)
-        expected = write_piece(shard, {}, {**manifest, "step": step}, tmp_path / "expected.piece")
+        written = write_piece(shard, {}, path, step=step, **which, spares=tmp_path, files=files, shard_bytes=live)
+        expected = write_piece(shard, {}, tmp_path / "expected.piece", step=step, **which)
         assert written == expected
         assert path.read_bytes() == (tmp_path / "expected.piece").read_bytes()
-        assert payload_error(written, path.read_bytes()) is None
+        assert payload_error(written.frame, path.read_bytes()) is None
         (tmp_path / "expected.piece").unlink()
         recycle(path, keep_at_most=1)  # the next write takes this file over
     assert _file_bytes({"t": torch.randn(4, 4).t()}) is None  # not contiguous: the shard is copied instead
     with pytest.raises(ValueError, match="shard's bytes"):
-        write_piece(shard, {}, manifest, tmp_path / "short.piece", shard_bytes=live[:-2])
+        write_piece(shard, {}, tmp_path / "short.piece", step=3, **which, shard_bytes=live[:-2])
     assert not (tmp_path / "short.piece").exists()
     files.close()
 
@@ -325,7 +340,7 @@ def test_snapshot_schedule_fixed_and_auto():
 
 def test_the_ray_jobs_snapshot_flag():
     pytest.importorskip("ray")
-    from hf_lowzero.ray import RayFinetuneConfig
+    from hf_lowzero.recipes.clm_ray import RayFinetuneConfig
 
     assert RayFinetuneConfig().snapshots == "auto"
     assert RayFinetuneConfig(snapshot_every="off").snapshots is None

@@ -11,26 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_lowzero.snapshot.format import payload_error, piece_file_error, write_piece
+from hf_lowzero.snapshot.checks import payload_error, piece_file_error
+from hf_lowzero.snapshot.format import Frame, write_piece
 from hf_lowzero.snapshot.transfer import LENGTH, Endpoint, Link, ask_all
 
 
-def send_piece(address, manifest_json: str, path: Path) -> str | None:
+def send_piece(address, frame_json: str, path: Path) -> str | None:
     """One piece on a link of its own."""
     link = Link(address)
     try:
-        return link.send_piece(json.loads(manifest_json), path)
+        return link.send_piece(json.loads(frame_json), path)
     finally:
         link.close()
 
 
 def _piece(folder: Path, step: int = 7, rank: int = 1) -> tuple[str, Path]:
+    """A piece in a file, and its frame as the JSON a holder sends (``Frame.wire``)."""
     g = torch.Generator().manual_seed(step)
     shard = {"w.exp_avg": torch.randn(3000, generator=g), "w.master": torch.randn(3000, generator=g)}
     extras = {"step": torch.tensor([step], dtype=torch.int64)}
     path = folder / f"step{step}-rank{rank}.piece"
-    manifest = write_piece(shard, extras, {"step": step, "rank": rank, "world_size": 2}, path)
-    return json.dumps(manifest), path
+    manifest = write_piece(shard, extras, path, step=step, rank=rank, world_size=2, details={})
+    return json.dumps(manifest.frame.wire()), path
 
 
 class Buddy:
@@ -49,13 +51,14 @@ class Buddy:
     def fail(self, request):
         raise RuntimeError("a handler that fails")
 
-    def destination(self, manifest, size):
+    def destination(self, wire, size):
         if size > 1 << 24:
             raise ValueError(f"a piece of {size} bytes is too large")
-        return self.folder / f"copy-step{manifest['step']}-rank{manifest['rank']}.piece"
+        frame = Frame.from_wire(wire)
+        return self.folder / f"copy-step{frame.step}-rank{frame.rank}.piece"
 
-    def landed(self, manifest, path):
-        error = piece_file_error(manifest, path)
+    def landed(self, wire, path):
+        error = piece_file_error(Frame.from_wire(wire), path)
         if error is None:
             self.kept.append(path)
         return error
@@ -73,7 +76,7 @@ def test_a_piece_lands_byte_for_byte_and_checks_out(tmp_path, buddy):
     assert send_piece(buddy.receiver.address, manifest_json, path) is None
     (copy,) = buddy.kept
     assert copy.read_bytes() == path.read_bytes()
-    assert payload_error(json.loads(manifest_json), copy.read_bytes(), checksums=True) is None
+    assert payload_error(Frame.from_wire(json.loads(manifest_json)), copy.read_bytes(), checksums=True) is None
     assert sorted(p.name for p in buddy.folder.iterdir()) == [copy.name]  # no .part left
 
 
@@ -266,8 +269,8 @@ def test_spare_files_are_written_over_and_give_the_same_bytes(tmp_path):
     shard = {"w.exp_avg": torch.randn(3000, generator=g), "w.master": torch.randn(3000, generator=g)}
     extras = {"step": torch.tensor([5], dtype=torch.int64)}
     again = folder / "again.piece"
-    manifest = write_piece(shard, extras, {"step": 5, "rank": 1, "world_size": 2}, again, spares=folder)
-    assert json.dumps(manifest) == fresh_json and again.read_bytes() == fresh.read_bytes()
+    manifest = write_piece(shard, extras, again, step=5, rank=1, world_size=2, details={}, spares=folder)
+    assert json.dumps(manifest.frame.wire()) == fresh_json and again.read_bytes() == fresh.read_bytes()
     assert [p.name.split("-")[1] for p in folder.glob("spare-*")] == [str(size + 1)]  # the other size stays
 
 
@@ -295,7 +298,8 @@ def test_the_receiver_writes_over_a_spare_of_the_pieces_size(tmp_path):
     (folder / f"spare-{path.stat().st_size}-x").write_bytes(b"\xcd" * path.stat().st_size)
     kept = []
     receiver = Endpoint("127.0.0.1", None, lambda m, size: folder / "copy.piece",
-                        lambda m, p: kept.append(p) or piece_file_error(m, p), spares=folder)  # fmt: skip
+                        lambda m, p: kept.append(p) or piece_file_error(Frame.from_wire(m), p),
+                        spares=folder)  # fmt: skip
     try:
         assert send_piece(receiver.address, manifest_json, path) is None
     finally:

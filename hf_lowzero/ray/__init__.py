@@ -1,5 +1,4 @@
-"""The Ray layer (needs ``ray[train]``): public pieces for any training function on Ray Train, and the
-causal-LM fine-tune built from them.
+"""The Ray layer (needs ``ray[train]``): public pieces for any training function on Ray Train.
 
 Your own model and data, on every worker of a ``ray.train.torch.TorchTrainer``::
 
@@ -11,18 +10,21 @@ Your own model and data, on every worker of a ``ray.train.torch.TorchTrainer``::
         trainer.train(resume_from_checkpoint=resume_checkpoint())
 
 ``accumulation_for_global_batch`` keeps the global batch across elastic resizes, ``ConsoleProgress``
-prints one line per step, ``InjectWorkerFailure`` kills a worker once (demos and tests). The recipe:
-``run_finetune(RayFinetuneConfig(...))`` (``ray_jobs/finetune.py``).
+prints one line per step, ``InjectWorkerFailure`` kills a worker once (demos and tests),
+``merge_run_config`` and ``ReleaseSnapshots`` build the ``RunConfig``. The causal-LM fine-tune job
+built from these pieces, ``run_finetune(RayFinetuneConfig(...))`` (``ray_jobs/finetune.py``), is
+``hf_lowzero.recipes.clm_ray``; its names here are deprecated aliases.
 """
 
-from hf_lowzero.ray.config import RayFinetuneConfig
+import warnings
+
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
 from hf_lowzero.ray.faults import InjectWorkerFailure
-from hf_lowzero.ray.holder import ReleaseSnapshots
+from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
-from hf_lowzero.ray.recipe import build_trainer, merge_run_config, run_finetune, train_loop_per_worker
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+from hf_lowzero.ray.run_config import merge_run_config
 from hf_lowzero.ray.snapshots import MemorySnapshots
 
 __all__ = [
@@ -43,3 +45,20 @@ __all__ = [
     "run_finetune",
     "train_loop_per_worker",
 ]
+
+# The causal-LM job's names, which lived here before the job had a room of its own.
+_MOVED_TO_THE_JOB = ("RayFinetuneConfig", "build_trainer", "run_finetune", "train_loop_per_worker")
+
+
+def __getattr__(name: str):
+    # Deprecated aliases: the job imports this package, never the reverse, so it is imported only when asked for.
+    if name in _MOVED_TO_THE_JOB:
+        warnings.warn(
+            f"hf_lowzero.ray.{name} is deprecated: import it from hf_lowzero.recipes.clm_ray",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from hf_lowzero.recipes import clm_ray
+
+        return getattr(clm_ray, name)
+    raise AttributeError(f"module 'hf_lowzero.ray' has no attribute {name!r}")

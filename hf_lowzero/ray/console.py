@@ -1,9 +1,9 @@
-"""What a person running the Ray job sees: one progress line per logging step from the first rank,
-and a local Ray instance without Ray's known-harmless noise.
+"""What a person running a Ray job sees from its workers: one progress line per logging step from
+the first rank, and none of Ray's and transformers' known-harmless noise.
 
 Example::
 
-    start_local_ray(num_cpus=3)                      # driver, no cluster (see [Note: console noise])
+    quiet_worker_console()                           # worker, at the start of the training function
     trainer.add_callback(ConsoleProgress(attempt))   # worker: after trainer.remove_callback(PrinterCallback)
     # step 12/40 [######..............]  30% | loss 3.2140 | lr 2.10e-03 | grad_norm 1.234 | world 2
 
@@ -34,16 +34,15 @@ Example::
 #   step numbers. That one notice is filtered out on the workers.
 # Left as is: the driver's one-line "Token authentication is enabled for this Ray cluster" notice.
 # ``RAY_AUTH_MODE=token`` would silence it, but Ray caches the mode when it is imported, so setting it
-# here (after ``import ray``) leaves the driver without a token for a GCS that demands one.
+# in the driver (after ``import ray``) leaves it without a token for a GCS that demands one.
+# The workers' side is here; the driver's (the print patch, the local instance's dashboard and
+# watcher) is the Ray job's ``quiet_ray_train`` and ``start_local_ray`` (``hf_lowzero/recipes/clm_ray/local_ray.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 
-import ray
 import torch
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
@@ -58,7 +57,8 @@ class ConsoleProgress(TrainerCallback):
 
     Lines go through the ``logging`` root logger that Ray Train sets up on its workers, so each
     reaches the driver's console once (see [Note: console noise]). ``attempt`` is the run's attempt
-    number (``hf_lowzero.ray.attempts.record_attempt``), shown when training starts or resumes.
+    number (the Ray job's ``hf_lowzero/recipes/clm_ray/attempts.py`` counts them), shown when training
+    starts or resumes.
 
     Example::
 
@@ -152,52 +152,3 @@ def quiet_worker_console() -> None:
 
 def _not_the_mtime_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("mtime may not be reliable on this filesystem")
-
-
-def start_local_ray(num_cpus: int) -> None:
-    """Start an embedded single-machine Ray instance whose console carries only what matters.
-
-    Sets (unless already set) the local instance's environment knobs of [Note: console noise] and
-    starts Ray with its dashboard on a free local port. ``address="local"`` never attaches to a stale
-    ``/tmp/ray/ray_current_cluster`` by accident.
-
-    Example::
-
-        quiet_ray_train()
-        start_local_ray(num_cpus=3)
-        result = run_finetune(RayFinetuneConfig(num_workers=2))
-
-    Args:
-        num_cpus: The CPUs the instance offers its tasks and actors.
-    """
-    dashboard_port = _free_port()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    # Ray's processes inherit the driver's environment, the state API's clients included.
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port,
-    )
-
-
-def quiet_ray_train() -> None:
-    """Make prints on Ray Train workers appear once (see [Note: console noise]); call it on the
-    driver before ``fit``: Ray Train hands the setting on to its controller and workers, also on a
-    cluster.
-
-    Example::
-
-        quiet_ray_train()
-        ray.init(address="auto")
-    """
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -36,8 +36,8 @@ class InjectWorkerFailure(TrainerCallback):
 
     ``during="snapshot"`` kills it instead while the memory snapshot of ``step`` is being taken: after
     its pieces landed on the holders and before it marked them, so that snapshot is torn (never
-    complete) and the restart resumes the one before ([Note: complete snapshot]). ``step`` must
-    then be a snapshot step.
+    complete) and the restart resumes the one before ([Note: complete snapshot] in
+    ``hf_lowzero/snapshot/protocol.py``). ``step`` must then be a snapshot step.
 
     Args:
         step: The step at which to kill the worker.

@@ -8,118 +8,64 @@ gone with it, as on a real cluster. Holders are named after the run
 (``<run_id>:<node_id>`` in the ``hf_lowzero_snapshots`` namespace), so two runs, e.g. the trials of a
 Tune sweep, never see each other's pieces.
 
+Its lifetime (names, finding a run's holders, ending them) is ``holder_lifetime.py``.
+
 Example (inside a Ray Train worker)::
 
     holder = holder_for(run, node_id)                                  # get or create
     link = Link(ray.get(holder.address.remote()))                      # once
-    manifest = write_piece(shard, extras, fields, path)                # the rank writes its piece in memory
-    link.request({"op": "land", "manifest": frame_of(manifest), "path": str(path), "buddy": buddy_node, "nodes": nodes})
+    manifest = write_piece(shard, extras, path, step=15, rank=1, ...)  # the rank writes its piece in memory
+    link.request(LandRequest(manifest.frame, str(path), buddy_node, nodes).wire())   # -> Landed.wire()
 
 # [Note: one request per snapshot]
 # A snapshot costs a rank one request, on a connection to its own node's holder that stays open
-# for the run ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``): ``land``, with the
-# path of the file it wrote its piece into. The holder checks the piece's frame and the file's
-# length ([Note: complete snapshot]), keeps the file (a reference: no copy), sends the file to the
-# buddy node's holder on its connection to it (the kernels copy it once on each node), which marks
-# the step as the copy lands (both pieces are whole then: the mark rides on the copy's request),
-# and then marks the step here and on every other holder of the run (none when the run has two
-# nodes). Nothing of it
+# for the run ([Note: piece transfer] in ``hf_lowzero/snapshot/transfer.py``): ``land`` (a
+# ``LandRequest``), with the path of the file it wrote its piece into. The holder checks the
+# piece's frame and the file's length ([Note: complete snapshot] in ``hf_lowzero/snapshot/protocol.py``),
+# keeps the file (a reference: no copy), sends the file to the buddy node's holder on its
+# connection to it (the kernels copy it once on each node), which marks the step as the copy lands
+# (both pieces are whole then: the mark rides on the copy's request), and then marks the step here
+# and on every other holder of the run (none when the run has two nodes). Nothing of it
 # is a Ray call: a Ray call costs milliseconds of CPU on each side, on the cores that train; Ray
 # only tells a holder where the others listen (``address``), once. A holder's marks for other
 # holders are batched: the ranks of a node that land together are marked with one request per
 # holder, sent to all of them before any answer is read. ``land`` is answered when the marks are
 # delivered, so the rank knows that its piece is complete, or what went wrong: it posts the request
 # and reads the answer at a later stop ([Note: posted requests] in ``transfer.py``).
-
-# [Note: complete snapshot]
-# Rank r's step S is marked on every holder of the run only after both its pieces (own node, buddy
-# node) landed whole: the rank wrote its file before it asked (a rank that dies while writing asks
-# nothing), the own holder checked the frame (format, version) and the file's length, and the
-# buddy received exactly that many bytes. S is complete when every rank of S marked it; only a
-# complete snapshot is ever restored, so a failure while a snapshot is being taken (a torn
-# snapshot) resumes the previous one. The rest is checked when a restore fetches the pieces, before
-# any is used: every part's header, every tensor's extent and every chunk's checksum, once per
-# restore instead of once per snapshot on holders whose CPU training needs (reading the headers as
-# each piece landed, on both nodes, was a sixth of the holders' CPU per snapshot for the main job),
-# and a piece that fails sends every rank to storage together (``restore.py``), never into a
-# restart loop. A holder keeps the newest
-# complete snapshot and anything newer in progress, and drops the rest as soon as a newer one completes.
-# When the run checks its integrity, each mark says whether the step passed its checks; only those
-# snapshots are rollback points ([Note: rollback] in ``integrity.py``), so the newest complete one
-# that passed is kept until a newer one that passed completes.
-
-# [Note: holder lifetime]
-# A holder is detached: it must outlive the worker group that created it, through every restart.
-# Three things end it, and its memory with it:
-# - the run finishing, successfully or failed for good, or being aborted (Ctrl-C, a Tune stop):
-#   ``ReleaseSnapshots``, a callback of the run's Ray Train controller (the Ray job's recipe adds
-#   it; add it to your own ``RunConfig(callbacks=[...])``), ends every holder of the run;
-# - training ending normally: the first rank ends them (``MemorySnapshots.on_train_end``);
-# - the run's controller going away (the driver exited or was killed, a Tune trial died): each
-#   holder watches it in the GCS by id, never through a handle (a handle would keep it alive), and
-#   exits within seconds. A finished controller may live on while its driver does (Ray Train's
-#   SIGINT handler holds it), which is why the callback, not the watch, is the first line.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import os
 import queue
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback  # Ray Train V2's; no public name
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.ray.holder_lifetime import NAMESPACE, RunIdentity, actor_alive, sweep_left_over_runs
 from hf_lowzero.snapshot import segments
-from hf_lowzero.snapshot.format import frame_of, manifest_error, payload_error, piece_length_error, read_manifest
+from hf_lowzero.snapshot.checks import payload_error, piece_length_error
+from hf_lowzero.snapshot.format import Frame, Manifest, read_manifest
+from hf_lowzero.snapshot.held import HeldSnapshots
 from hf_lowzero.snapshot.priority import lower_this_process
+from hf_lowzero.snapshot.protocol import HolderIndex, Landed, LandRequest, MarkRequest
 from hf_lowzero.snapshot.segments import node_folder
 from hf_lowzero.snapshot.transfer import Endpoint, Link, ask_all
 
-NAMESPACE = "hf_lowzero_snapshots"
 WATCH_INTERVAL_S = 1.0
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """The fit a worker belongs to: Ray Train's run id (new for every ``fit()``, the same across its
-    restarts) and its controller actor's id.
-    """
-
-    run_id: str
-    controller_id: str | None
-
-    def holder_name(self, node_id: str) -> str:
-        """The name of this run's holder on node ``node_id``."""
-        return f"{self.run_id}:{node_id}"
-
-
-def current_run() -> RunIdentity:
-    """The run of this Ray Train worker (Ray Train 2.5x, V2)."""
-    # Ray Train V2 keeps both in its internal train context; no public API names them.
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    context = get_train_context()
-    controller = getattr(context, "controller_actor", None)
-    controller_id = controller._actor_id.hex() if controller is not None else None
-    return RunIdentity(context.train_run_context.run_id, controller_id)
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class SnapshotHolder:
-    """A node's memory snapshots of one run: pieces by (step, rank), each a file in the node's
-    memory ([Note: snapshot folder] in ``hf_lowzero/snapshot/segments.py``), and the ranks' marks.
+    """A node's memory snapshots of one run (``HeldSnapshots``): pieces by step and rank, each a
+    file in the node's memory ([Note: snapshot folder] in ``hf_lowzero/snapshot/segments.py``), and
+    the ranks' marks.
     """
 
     def __init__(
@@ -129,13 +75,7 @@ class SnapshotHolder:
         self.node_id = node_id
         self.run_id = run_id or "unnamed"
         self.folder = node_folder(self.run_id, node_id)
-        self._lock = threading.Lock()
-        self._pieces: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}  # (step, rank) -> (frame, file)
-        self._marks: dict[int, set[int]] = {}
-        self._worlds: dict[int, int] = {}
-        self._verified: dict[int, bool | None] = {}
-        self._complete: int | None = None
-        self._kept: int | None = None  # the oldest step held on purpose: the newest complete one that may be restored
+        self._held = HeldSnapshots(node_id, self.folder)
         self._to_mark: queue.Queue[_Mark] = queue.Queue()
         self._handles: dict[str, Any] = {}  # node -> that node's holder of the run
         self._addresses: dict[str, tuple[str, int, str]] = {}  # node -> its holder's endpoint
@@ -149,46 +89,40 @@ class SnapshotHolder:
             spares=self.folder,
         )
         threading.Thread(target=self._deliver_marks, daemon=True).start()
-        threading.Thread(target=_sweep_left_over_runs, daemon=True).start()  # [Note: snapshot folder]
+        threading.Thread(target=sweep_left_over_runs, daemon=True).start()  # [Note: snapshot folder]
         if controller_id is not None:
             threading.Thread(target=self._watch, args=(controller_id, watch_interval_s), daemon=True).start()
 
-    def _land_request(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A rank's one request per snapshot ([Note: one request per snapshot]): ``manifest`` (the
-        piece's frame: [Note: details in the file] in ``format.py``) and ``path`` (the file the rank
-        wrote its piece into, on this node), ``buddy`` (the node that keeps a copy, or None),
-        ``nodes`` (the run's nodes, whose holders mark the step), ``verified`` (the step passed its
-        integrity checks; None: not checked) and ``mark`` (False: land only, never mark; the tests'
-        torn snapshot). Answers ``error`` (what went wrong, or
-        None) and where the time went: ``send_s`` (the copy to the buddy node) and ``mark_s``.
+    def _land_request(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """A rank's one request per snapshot ([Note: one request per snapshot]), a ``LandRequest``
+        on the wire; answers a ``Landed``.
         """
-        manifest, path, buddy_node = request["manifest"], request["path"], request.get("buddy")
-        marks, verified = request.get("mark", True), request.get("verified")
         start = time.perf_counter()
-        error = piece_length_error(manifest, path)  # [Note: complete snapshot]
-        if error is None and self._keep(manifest, path) and buddy_node is not None:
-            then = None
-            if marks:  # the buddy marks the step as the copy lands: both pieces are whole then
-                then = {"op": "mark", "step": manifest["step"], "ranks": [manifest["rank"]],
-                        "world_size": manifest["world_size"], "verified": verified}  # fmt: skip
-            error = self._send_copy(buddy_node, manifest, path, then)
+        try:
+            request = LandRequest.from_wire(wire)
+        except ValueError as e:  # not a piece of ours (its format or version): its file is not kept
+            if isinstance(wire.get("path"), str):
+                segments.unlink(wire["path"])
+            return Landed(str(e)).wire()
+        error = piece_length_error(request.frame, request.path)  # [Note: complete snapshot] in protocol.py
+        if error is None and self._held.keep(request.frame, request.path) and request.buddy is not None:
+            then = request.marks() if request.mark else None  # the buddy marks it as the copy lands: both are whole
+            error = self._send_copy(request.buddy, request.frame, request.path, then)
         sent = time.perf_counter()
         if error is not None:
-            segments.unlink(path)
-        elif marks:
-            nodes = tuple(n for n in dict.fromkeys(request["nodes"]) if n != buddy_node)  # the buddy marked
+            segments.unlink(request.path)
+        elif request.mark:
+            nodes = tuple(n for n in dict.fromkeys(request.nodes) if n != request.buddy)  # the buddy marked
             if all(n == self.node_id for n in nodes):  # no other holder to tell: no thread to wake
-                self._mark_many(manifest["step"], [manifest["rank"]], manifest["world_size"], verified)
+                self._held.mark(request.marks())
             else:
-                mark = _Mark(manifest["step"], manifest["rank"], manifest["world_size"], verified, nodes)
+                mark = _Mark(request.marks(), nodes)
                 self._to_mark.put(mark)
                 mark.done.wait()
                 error = mark.error
-        return {"error": error, "send_s": sent - start, "mark_s": time.perf_counter() - sent}
+        return Landed(error, sent - start, time.perf_counter() - sent).wire()
 
-    def _send_copy(
-        self, node: str, manifest: dict[str, Any], path: str, then: dict[str, Any] | None = None
-    ) -> str | None:
+    def _send_copy(self, node: str, frame: Frame, path: str, then: MarkRequest | None = None) -> str | None:
         """Send the piece in ``path`` to ``node``'s holder, with ``then`` (its marks, or None);
         returns what went wrong, or None.
         """
@@ -198,7 +132,8 @@ class SnapshotHolder:
             self._forget(node)
             return f"the buddy node's holder is gone or cannot be reached ({e})"
         try:
-            return link.send_piece(manifest, path, then)  # [Note: piece transfer]
+            marks = then.wire() if then is not None else None
+            return link.send_piece(frame.wire(), path, marks)  # [Note: piece transfer]
         except OSError as e:
             self._forget(node)
             return (
@@ -211,34 +146,31 @@ class SnapshotHolder:
         """Where another node's holder sends this holder a piece ([Note: piece transfer])."""
         return self._endpoint.address
 
-    def put(self, manifest_json: str, payload: bytes | memoryview) -> str | None:
+    def put(self, frame: Frame, payload: bytes | memoryview) -> str | None:
         """Keep a piece given as its bytes after checking its structure; returns what is wrong with
         it, or None when it landed (pieces from other nodes come through ``address()`` instead).
         """
-        manifest = json.loads(manifest_json)
-        error = payload_error(manifest, payload, checksums=False)
+        error = payload_error(frame, payload, checksums=False)
         if error is not None:
             return error
-        path = segments.piece_path(self.folder, manifest["step"], manifest["rank"], copy=True)
+        path = segments.piece_path(self.folder, frame.step, frame.rank, copy=True)
         atomic_write(path, lambda f: Path(f).write_bytes(memoryview(payload)))
-        self._keep(frame_of(manifest), str(path))
+        self._held.keep(frame, str(path))
         return None
 
-    def _destination(self, manifest: dict[str, Any], size: int) -> Path:
+    def _destination(self, wire: dict[str, Any], size: int) -> Path:
         """Where a piece sent by another node's holder goes (ValueError: refused)."""
-        try:
-            error, step, rank = manifest_error(manifest, size), int(manifest["step"]), int(manifest["rank"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"not an hf_lowzero snapshot piece ({e!r})") from e
+        frame = Frame.from_wire(wire)
+        error = frame.size_error(size)
         if error is not None:
             raise ValueError(error)
-        return segments.piece_path(self.folder, step, rank, copy=True)
+        return segments.piece_path(self.folder, frame.step, frame.rank, copy=True)
 
-    def _landed_copy(self, manifest: dict[str, Any], path: Path) -> str | None:
+    def _landed_copy(self, wire: dict[str, Any], path: Path) -> str | None:
         """A piece from another node's holder is whole in ``path`` (the length its frame says,
-        checked by ``_destination``): keep it ([Note: complete snapshot]).
+        checked by ``_destination``): keep it ([Note: complete snapshot] in ``protocol.py``).
         """
-        self._keep(manifest, str(path))
+        self._held.keep(Frame.from_wire(wire), str(path))
         return None
 
     def _handle(self, node: str):
@@ -274,102 +206,43 @@ class SnapshotHolder:
 
     def mark(self, step: int, rank: int, world_size: int, verified: bool | None = None) -> None:
         """Rank ``rank``'s pieces of ``step`` landed on its node and its buddy's ([Note: complete
-        snapshot]); ``verified``: the step passed its integrity checks (None: the run checks none).
+        snapshot] in ``protocol.py``); ``verified``: the step passed its integrity checks (None: the
+        run checks none).
         """
-        self._mark_many(step, [rank], world_size, verified)
+        self._held.mark(MarkRequest(step, (rank,), world_size, verified))
 
-    def _mark_request(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Another holder's batch of marks ([Note: one request per snapshot])."""
-        self._mark_many(int(request["step"]), list(request["ranks"]), int(request["world_size"]), request["verified"])
+    def _mark_request(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """Another holder's batch of marks, a ``MarkRequest`` on the wire ([Note: one request per snapshot])."""
+        self._held.mark(MarkRequest.from_wire(wire))
         return {"error": None}
 
-    def _mark_many(self, step: int, ranks: list[int], world_size: int, verified: bool | None = None) -> None:
-        """``mark`` for several ranks at once (a node's holder batches its ranks' marks)."""
-        dropped, held = [], Counter()
-        with self._lock:
-            self._marks.setdefault(step, set()).update(ranks)
-            self._worlds[step] = world_size
-            self._verified[step] = verified
-            if len(self._marks[step]) == world_size and (self._complete is None or step > self._complete):
-                self._complete = step
-                if verified is not False:  # a rollback point: older snapshots are no longer needed
-                    self._kept = step
-                keep = self._kept if self._kept is not None else step
-                dropped = [(path, _size(m)) for key, (m, path) in self._pieces.items() if key[0] < keep]
-                self._pieces = {key: v for key, v in self._pieces.items() if key[0] >= keep}
-                held = Counter(_size(m) for m, _ in self._pieces.values())
-                self._marks = {s: m for s, m in self._marks.items() if s >= keep}
-                self._worlds = {s: w for s, w in self._worlds.items() if s >= keep}
-                self._verified = {s: v for s, v in self._verified.items() if s >= keep}
-        for path, size in dropped:  # [Note: spare files] in segments.py: as many as the pieces of a size held
-            segments.recycle(path, keep_at_most=held[size])
-        if dropped:
-            segments.drop_spares(self.folder, set(held))
+    def index(self) -> HolderIndex:
+        """What this holder knows: per step, its marks and the pieces it holds; the bytes it holds."""
+        return self._held.index()
 
-    def index(self) -> dict[str, Any]:
-        """What this holder knows: per step, the world size, the ranks that marked it, the ranks
-        whose pieces it holds, and whether the step passed its integrity checks (None: not checked);
-        and the bytes it holds.
-        """
-        with self._lock:
-            steps = set(self._marks) | {step for step, _ in self._pieces}
-            return {
-                "node_id": self.node_id,
-                "bytes": sum(_size(manifest) for manifest, _ in self._pieces.values()),
-                "steps": {
-                    step: {
-                        "world_size": self._worlds.get(step),
-                        "marked": sorted(self._marks.get(step, ())),
-                        "pieces": sorted(rank for s, rank in self._pieces if s == step),
-                        "verified": self._verified.get(step),
-                    }
-                    for step in steps
-                },
-            }
-
-    def manifest(self, step: int, rank: int) -> dict[str, Any]:
+    def manifest(self, step: int, rank: int) -> Manifest:
         """The whole manifest of rank ``rank``'s piece of ``step``, its details read from the piece
         ([Note: details in the file] in ``format.py``; KeyError when not held, ValueError when the
         details do not match their checksum).
         """
-        with self._lock:
-            frame, path = self._pieces[(step, rank)]
-        return read_manifest(frame, path)
+        piece = self._held.piece(step, rank)
+        return read_manifest(piece.frame, piece.path)
 
     def part(self, step: int, rank: int, name: str) -> bytes:
         """One part (``"shard"`` or ``"extras"``) of a piece's payload."""
-        with self._lock:
-            manifest, path = self._pieces[(step, rank)]
-        start, end = manifest["parts"][name]
-        return segments.read_range(path, start, end)
+        piece = self._held.piece(step, rank)
+        start, end = piece.frame.parts[name]
+        return segments.read_range(piece.path, start, end)
 
     def close(self) -> None:
         """Free every piece (their files) now; the run is over."""
-        with self._lock:
-            self._pieces = {}
-            self._complete = 1 << 62  # nothing lands any more
+        self._held.clear()
         self._endpoint.close()
         with self._links_lock:
             for link in self._links.values():
                 link.close()
             self._links = {}
         segments.remove_run_folder(self.run_id)
-
-    def _keep(self, manifest: dict[str, Any], path: str) -> bool:
-        """Hold the piece in ``path`` (which this holder now owns); False when it is older than the
-        newest complete snapshot (its file is removed).
-        """
-        key = (manifest["step"], manifest["rank"])
-        with self._lock:
-            if self._complete is not None and key[0] <= self._complete:
-                stale, kept = path, False
-            else:
-                stale = self._pieces[key][1] if key in self._pieces else None  # the same piece again
-                self._pieces[key] = (manifest, path)
-                kept = True
-        if stale is not None and (stale != path or not kept):
-            segments.unlink(stale)
-        return kept
 
     def _deliver_marks(self) -> None:
         # [Note: one request per snapshot]
@@ -379,26 +252,24 @@ class SnapshotHolder:
                 batch.append(self._to_mark.get_nowait())
             groups: dict[tuple, list[_Mark]] = {}
             for m in batch:
-                groups.setdefault((m.step, m.world_size, m.verified, m.nodes), []).append(m)
+                groups.setdefault((m.marks.step, m.marks.world_size, m.marks.verified, m.nodes), []).append(m)
             for (step, world_size, verified, nodes), marks in groups.items():
+                ranks = tuple(sorted(rank for m in marks for rank in m.marks.ranks))
                 others = [n for n in nodes if n != self.node_id]
-                error = self._mark_everywhere(others, step, sorted(m.rank for m in marks), world_size, verified)
+                error = self._mark_everywhere(others, MarkRequest(step, ranks, world_size, verified))
                 for m in marks:
                     m.error = error
                     m.done.set()
 
-    def _mark_everywhere(
-        self, others: list[str], step: int, ranks: list[int], world_size: int, verified: bool | None
-    ) -> str | None:
-        """Mark ``ranks`` at ``step`` here and on the holders of ``others``; what went wrong, or None."""
-        self._mark_many(step, ranks, world_size, verified)
-        request = {"op": "mark", "step": step, "ranks": ranks, "world_size": world_size, "verified": verified}
+    def _mark_everywhere(self, others: list[str], marks: MarkRequest) -> str | None:
+        """Record ``marks`` here and on the holders of ``others``; what went wrong, or None."""
+        self._held.mark(marks)
         failed = []
         try:
             links = [self._link(n, "marks") for n in others]
         except (ValueError, OSError, ray.exceptions.RayError) as e:
             failed, links = [(n, repr(e)) for n in others], []
-        for node, answer in zip(others, ask_all(links, request)):
+        for node, answer in zip(others, ask_all(links, marks.wire())):
             error = str(answer) if isinstance(answer, OSError) else answer.get("error")
             if error is not None:
                 failed.append((node, error))
@@ -406,43 +277,27 @@ class SnapshotHolder:
             self._forget(node)
         if not failed:
             return None
-        return f"a holder of the run is gone, step {step} is not marked everywhere ({failed[0][1]})"
+        return f"a holder of the run is gone, step {marks.step} is not marked everywhere ({failed[0][1]})"
 
     def _watch(self, controller_id: str, interval_s: float) -> None:
-        # [Note: holder lifetime]
+        # [Note: holder lifetime] in holder_lifetime.py
         misses = 0
         while misses < 3:  # three checks in a row: a GCS that did not answer once is not a dead run
             time.sleep(interval_s)
-            misses = 0 if _actor_alive(controller_id) else misses + 1
+            misses = 0 if actor_alive(controller_id) else misses + 1
         self.close()
         os._exit(0)
 
 
 @dataclass
 class _Mark:
-    step: int
-    rank: int
-    world_size: int
-    verified: bool | None
+    """A rank's marks, waiting for the thread that delivers them to the run's other holders
+    ([Note: one request per snapshot]), and what went wrong once it did."""
+
+    marks: MarkRequest
     nodes: tuple[str, ...]
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
-
-
-def _sweep_left_over_runs() -> None:
-    """Remove this machine's snapshot folders of runs that no holder in this cluster serves.
-
-    Only folders untouched for ``segments.STALE_S`` go ([Note: snapshot folder] in ``segments.py``).
-    """
-    with contextlib.suppress(Exception):  # housekeeping: never the holder's failure
-        live = {entry["name"].split(":", 1)[0] for entry in ray.util.list_named_actors(all_namespaces=True)
-                if entry["namespace"] == NAMESPACE}  # fmt: skip
-        for folder in segments.sweep(live):
-            logger.warning("[hf_lowzero] removed the memory snapshots a finished run left in %s", folder)
-
-
-def _size(manifest: dict[str, Any]) -> int:
-    return max(end for _, end in manifest["parts"].values())
 
 
 def holder_for(run: RunIdentity, node_id: str):
@@ -454,66 +309,3 @@ def holder_for(run: RunIdentity, node_id: str):
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(node_id, run.controller_id, run.run_id)
-
-
-def run_holders(run_id: str) -> dict[str, Any]:
-    """The live holders of run ``run_id``: ``{name: handle}``."""
-    names = [
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(f"{run_id}:")
-    ]
-    holders = {}
-    for name in names:
-        try:
-            holders[name] = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:  # gone since it was listed
-            continue
-    return holders
-
-
-def all_holder_names() -> list[str]:
-    """Every live holder of every run (what a test checks is gone after a run)."""
-    return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE]
-
-
-def release_run(run_id: str) -> None:
-    """End every holder of run ``run_id`` now (their memory is freed)."""
-    handles = list(run_holders(run_id).values())
-    for handle, ref in [(h, h.close.remote()) for h in handles]:
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            ray.get(ref, timeout=30)  # its files first: killed, a holder would leave them behind
-        ray.kill(handle)
-
-
-class ReleaseSnapshots(ControllerCallback):
-    """A Ray Train controller callback that ends the run's snapshot holders when the run finishes
-    (successfully or failed for good) or is aborted ([Note: holder lifetime]).
-
-    Example::
-
-        TorchTrainer(train_func, run_config=RunConfig(callbacks=[ReleaseSnapshots()]), ...).fit()
-    """
-
-    def after_controller_start(self, train_run_context) -> None:
-        """Remember the run's id."""
-        self.run_id = train_run_context.run_id
-
-    def after_controller_finish(self, result) -> None:
-        """The run finished (successfully or failed for good): end its holders."""
-        release_run(self.run_id)
-
-    def before_controller_abort(self) -> None:
-        """The run is aborted (Ctrl-C, a Tune stop): end its holders."""
-        release_run(self.run_id)
-
-
-def _actor_alive(actor_id: str) -> bool:
-    # The GCS actor table, read without the dashboard's state API (which a cluster may not run).
-    from ray._private import state
-
-    try:
-        info = state.actors(actor_id=actor_id)
-    except Exception:  # the GCS is unreachable: the cluster is going away
-        return False
-    return bool(info) and info.get("State") not in ("DEAD", None)

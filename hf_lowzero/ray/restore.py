@@ -1,7 +1,7 @@
 """Resuming from the newest complete state, in memory or in storage (``resume_checkpoint()``).
 
 Every rank asks the same question at the start of an attempt: is there a complete memory snapshot
-([Note: complete snapshot] in ``holder.py``) newer than the checkpoint Ray hands this attempt? The
+([Note: complete snapshot] in ``hf_lowzero/snapshot/protocol.py``) newer than the checkpoint Ray hands this attempt? The
 first rank asks the run's surviving holders, decides, and tells every rank which pieces to fetch
 from which holder: its own node's when it holds them (a killed process), else a buddy's on another
 node (a killed node; a replacement worker on a fresh node fetches over the network). Each node then
@@ -29,8 +29,11 @@ import ray
 import torch.distributed as dist
 
 from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
-from hf_lowzero.ray.holder import NAMESPACE, current_run, run_holders
-from hf_lowzero.snapshot.format import safetensors_error, write_part, write_zero_metadata
+from hf_lowzero.ray.holder_lifetime import NAMESPACE, current_run, run_holders
+from hf_lowzero.snapshot.checkpoint_files import write_part, write_zero_metadata
+from hf_lowzero.snapshot.checks import safetensors_error
+from hf_lowzero.snapshot.format import Manifest
+from hf_lowzero.snapshot.protocol import HolderIndex, run_marks
 from hf_lowzero.trainer.snapshot_files import write_trainer_files
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ class _Plan:
     step: int
     saved_world_size: int
     folder: str
-    manifests: dict[int, dict[str, Any]]
+    manifests: dict[int, Manifest]
     fetch: dict[int, list[tuple[int, str, str]]] = field(default_factory=dict)  # rank -> [(rank, part, holder)]
     leaders: list[int] = field(default_factory=list)  # the ranks that write each node's common files
     remote_pieces: int = 0
@@ -130,44 +133,30 @@ def discard(source: ResumeSource | None) -> None:
 def _decide(storage_step: int, nodes: list[str]) -> tuple[_Plan | None, str | None]:
     """Rank 0: the plan to resume from memory, or None and why not."""
     holders = run_holders(current_run().run_id)
-    indexes = {}
+    indexes: dict[str, HolderIndex] = {}
     for name, handle in holders.items():
         try:
             indexes[name] = ray.get(handle.index.remote(), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             continue  # its node is gone
-    marked: dict[int, set[int]] = {}
-    worlds: dict[int, int] = {}
-    failed: set[int] = set()  # steps whose integrity checks did not pass: never restored
-    held: dict[int, dict[int, list[str]]] = {}  # step -> piece rank -> holders
-    for name, index in indexes.items():
-        for step, info in index["steps"].items():
-            step = int(step)
-            marked.setdefault(step, set()).update(info["marked"])
-            if info["world_size"]:
-                worlds[step] = info["world_size"]
-            if info.get("verified") is False:
-                failed.add(step)
-            for piece_rank in info["pieces"]:
-                held.setdefault(step, {}).setdefault(piece_rank, []).append(name)
-    complete = [
-        s for s in marked if s in worlds and marked[s] == set(range(worlds[s])) and s not in failed
-    ]  # [Note: rollback] in integrity.py
-    if not complete:
+    marks = run_marks(indexes.values())
+    restorable = [s for s, m in marks.items() if m.restorable]  # [Note: complete snapshot] in protocol.py
+    if not restorable:
         return None, None
-    step = max(complete)
+    step = max(restorable)
     if step <= storage_step:
         return None, None
-    saved_world = worlds[step]
-    lost = [r for r in range(saved_world) if not held.get(step, {}).get(r)]
+    saved_world = marks[step].world_size
+    held = {r: [name for name, index in indexes.items() if r in index.pieces(step)] for r in range(saved_world)}
+    lost = [r for r, names in held.items() if not names]
     if lost:
         return None, (
             f"the memory snapshot of step {step} lost the shards of ranks {lost} (their node and its buddy node "
             f"are both gone); resuming from storage, step {storage_step}"
         )
-    node_of_holder = {name: indexes[name]["node_id"] for name in indexes}
+    node_of_holder = {name: index.node_id for name, index in indexes.items()}
     try:
-        manifests = {r: ray.get(holders[held[step][r][0]].manifest.remote(step, r)) for r in range(saved_world)}
+        manifests = {r: ray.get(holders[held[r][0]].manifest.remote(step, r)) for r in range(saved_world)}
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:  # a piece's details, or its holder
         cause = getattr(e, "cause", None) or e
         why = f"the memory snapshot of step {step} could not be read ({cause})"
@@ -183,9 +172,9 @@ def _decide(storage_step: int, nodes: list[str]) -> tuple[_Plan | None, str | No
             pieces = [rank]  # same world size: each rank reads its own rows only
         else:  # a resize: a rank's new rows may overlap any saved rank's; the node's ranks share the fetching
             pieces = [j for j in range(saved_world) if j % len(on_node) == on_node.index(rank)]
-        plan.fetch[rank] = [(j, "shard", _nearest(held[step][j], node, node_of_holder)) for j in pieces]
-        if rank in plan.leaders and "extras" in manifests[0]["parts"]:  # rank 0's buffers, once per node
-            plan.fetch[rank].append((0, "extras", _nearest(held[step][0], node, node_of_holder)))
+        plan.fetch[rank] = [(j, "shard", _nearest(held[j], node, node_of_holder)) for j in pieces]
+        if rank in plan.leaders and "extras" in manifests[0].frame.parts:  # rank 0's buffers, once per node
+            plan.fetch[rank].append((0, "extras", _nearest(held[0], node, node_of_holder)))
     plan.remote_pieces = sum(
         node_of_holder[name] != nodes[rank] for rank, fetches in plan.fetch.items() for _, _, name in fetches
     )
@@ -213,10 +202,11 @@ def _materialize(plan: _Plan, rank: int) -> str | None:
         if error is not None:
             return f"part {part!r} of rank {j} held by {name}: {error}"
     for (j, part, _), data in zip(fetches, blobs):
-        write_part(zero_dir, plan.manifests[j], part, data)
+        write_part(zero_dir, plan.manifests[j].frame, part, data)
     leader = rank in plan.leaders
     if leader:
         write_zero_metadata(zero_dir, plan.manifests)
     rng_ranks = [j for j, part, _ in fetches if part == "shard"]
-    write_trainer_files(checkpoint, plan.manifests, rng_ranks, common=leader)
+    as_json = {j: manifest.as_json() for j, manifest in plan.manifests.items()}  # what trainer/ reads
+    write_trainer_files(checkpoint, as_json, rng_ranks, common=leader)
     return None

@@ -6,8 +6,8 @@ double buffer] in ``hf_lowzero/snapshot/stager.py``), writes the piece into a fi
 memory and posts one request to its node's holder, on a connection that stays open (no Ray call),
 and training goes on ([Note: written at the stop]; on a GPU a background thread waits for the copy
 and does the rest). The holder keeps the file, copies it to the buddy node's holder and marks the
-step on every holder once both landed ([Note: one request per snapshot] and [Note: complete
-snapshot] in ``holder.py``); its answer is read at a later stop.
+step on every holder once both landed ([Note: one request per snapshot] in ``holder.py``, [Note:
+complete snapshot] in ``hf_lowzero/snapshot/protocol.py``); its answer is read at a later stop.
 
 Example::
 
@@ -25,19 +25,19 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hf_lowzero.ray.holder import current_run, holder_for, release_run
+from hf_lowzero.ray.holder import holder_for
+from hf_lowzero.ray.holder_lifetime import current_run, release_run
 from hf_lowzero.ray.restore import discard, last_resume
 from hf_lowzero.ray.snapshot_plan import AUTO_OVERHEAD, MAX_INTERVAL, SnapshotSchedule, buddy_nodes
 from hf_lowzero.snapshot import ShardStager, Staged
-from hf_lowzero.snapshot.format import frame_of
 from hf_lowzero.snapshot.priority import lower_this_thread
+from hf_lowzero.snapshot.protocol import Landed, LandRequest
 from hf_lowzero.snapshot.segments import node_folder, piece_path
 from hf_lowzero.snapshot.transfer import TIMEOUT_S, Link
 from hf_lowzero.trainer.snapshot_files import LogCopies, trainer_manifest
@@ -298,7 +298,7 @@ class MemorySnapshots(TrainerCallback):
         now: the snapshot is lost, not the run.
         """
         start = time.perf_counter()
-        step = staged.manifest["step"]
+        step = staged.step
         path = piece_path(self._folder, step, self.rank)
         try:
             manifest = staged.write(path, spares=self._folder, **fields)  # [Note: spare files] in segments.py
@@ -307,11 +307,10 @@ class MemorySnapshots(TrainerCallback):
             return
         write_s = time.perf_counter() - start
         torn = self.fault is not None and self.fault[0] == step  # tests: landed on both nodes, never marked
-        request = {"op": "land", "manifest": frame_of(manifest), "path": str(path), "buddy": self._buddy_node,
-                   "nodes": self.nodes, "verified": verified, "mark": not torn}  # fmt: skip
+        request = LandRequest(manifest.frame, str(path), self._buddy_node, tuple(self.nodes), verified, mark=not torn)
         with self._post_lock:
             try:
-                self._own_link().post(request)
+                self._own_link().post(request.wire())
             except (OSError, ray.exceptions.RayError) as e:
                 error = SnapshotError(f"this node's snapshot holder cannot be reached ({e})")
                 self._lost_link(error)
@@ -328,29 +327,29 @@ class MemorySnapshots(TrainerCallback):
                 if not self._posted:
                     return
                 try:
-                    landed = self._link.answer(wait=wait)
+                    answer = self._link.answer(wait=wait)
                 except OSError as e:
                     self._lost_link(SnapshotError(f"this node's snapshot holder cannot be reached ({e})"))
                     return
-                if landed is None:
+                if answer is None:
                     return
                 posted = self._posted.popleft()
-            self._landed(posted, landed)
+            self._landed(posted, Landed.from_wire(answer))
 
-    def _landed(self, posted: _Posted, landed: dict[str, Any]) -> None:
+    def _landed(self, posted: _Posted, landed: Landed) -> None:
         """Complete a posted snapshot with its holder's answer: where its time went, in seconds:
         ``write_s`` (checksums and the file), ``send_s`` (the holder's copy to the buddy node),
         ``mark_s`` (the marks), and ``chain_s``, the work that ran beside training (the holder's,
         and the write when the background thread did it).
         """
-        if landed.get("error") is not None:
-            posted.future.set_exception(SnapshotError(f"the piece of rank {self.rank} did not land: {landed['error']}"))
+        if landed.error is not None:
+            posted.future.set_exception(SnapshotError(f"the piece of rank {self.rank} did not land: {landed.error}"))
             return
         if posted.torn:
             self.fault[1]()
-        background = landed["send_s"] + landed["mark_s"] + (posted.write_s if posted.in_background else 0.0)
+        background = landed.send_s + landed.mark_s + (posted.write_s if posted.in_background else 0.0)
         posted.future.set_result(
-            {"write_s": posted.write_s, "send_s": landed["send_s"], "mark_s": landed["mark_s"], "chain_s": background}
+            {"write_s": posted.write_s, "send_s": landed.send_s, "mark_s": landed.mark_s, "chain_s": background}
         )
 
     def _lost_link(self, error: SnapshotError) -> None:

@@ -1,7 +1,7 @@
 """Where a node's snapshot pieces live: files in memory (``/dev/shm``), one folder per run and node.
 
 A rank writes its piece straight into a file of its node's folder ([Note: one pass over the shard]
-in ``format.py``); its node's holder then keeps the file's path, not a copy, and the file outlives
+in ``file_layout.py``); its node's holder then keeps the file's path, not a copy, and the file outlives
 the rank's process (a killed worker loses nothing its holder kept). ``/dev/shm`` is memory: a file
 there costs RAM, like the object store that Ray also keeps there, and goes with the node.
 

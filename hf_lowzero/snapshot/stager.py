@@ -30,7 +30,7 @@ Example::
 # of it. The write then needs no per-tensor work in torch (a view, a reshape, a numpy
 # array per tensor: most of the write for the main job's 84 small tensors): it checksums each
 # chunk at its known offset and copies the block into the file a megabyte at a time, each block
-# right after its checksums, while it is in cache (``FileLayout.write_data`` in ``format.py``).
+# right after its checksums, while it is in cache (``FileLayout.write_data`` in ``file_layout.py``).
 
 # [Note: written from the live shard]
 # On the host, a piece is written by the stop itself ([Note: written at the stop] in
@@ -44,7 +44,7 @@ Example::
 # writer) the shard is copied as ever.
 
 # [Note: described off the loop]
-# A piece's manifest describes the optimizer state (each whole param's state record; on rank 0
+# A piece's details describe the optimizer state (each whole param's state record; on rank 0
 # the checkpoint metadata of every param and group): per-param Python work that took most of the
 # stop (about 1 ms of 2.5 for the main job's 28 params on rank 0). The stop keeps only what the
 # next step changes: the tensors (copied) and the scalar state entries (``step``: single-value
@@ -67,7 +67,8 @@ from hf_lowzero.checkpoint.layout import extra_key
 from hf_lowzero.checkpoint.save import checkpoint_metadata, owned_whole
 from hf_lowzero.checkpoint.shards import ShardView
 from hf_lowzero.snapshot.copy_plan import CopyPlan
-from hf_lowzero.snapshot.format import Piece, encode_piece, file_layout, write_piece
+from hf_lowzero.snapshot.file_layout import file_layout
+from hf_lowzero.snapshot.format import Manifest, Piece, encode_piece, write_piece
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.model_extras import ModelExtras
 from hf_lowzero.zero import device as dev
@@ -78,42 +79,47 @@ if TYPE_CHECKING:
 
 @dataclass
 class Staged:
-    """One snapshot's copy, waiting to be encoded: host tensors, the manifest's optimizer part, and
-    the buffer to give back once encoded."""
+    """One snapshot's copy, waiting to be encoded: rank ``rank``'s piece of the snapshot of ``step``
+    at ``world_size`` ranks, its host tensors, the optimizer's part of its details, and the buffer to
+    give back once encoded."""
 
+    step: int
+    rank: int
+    world_size: int
     shard: dict[str, torch.Tensor]
     extras: dict[str, torch.Tensor]
-    manifest: dict[str, Any]  # step, rank, world size; the rest is described later (``describe``)
     copied: Any  # the copy's CUDA event, or None (copied synchronously)
     release: Callable[[], None]
     describe: Callable[[], dict[str, Any]] = (
-        dict  # the optimizer's part of the manifest ([Note: described off the loop])
+        dict  # the optimizer's part of the details ([Note: described off the loop])
     )
     files: MappedFiles | None = None  # the writer's kept mappings ([Note: kept mappings] in mapped.py)
     data: torch.Tensor | None = None  # ``shard``'s bytes as one buffer in file order ([Note: packed staging])
     live: tuple[torch.Tensor, ...] | None = None  # the live shard's bytes ([Note: written from the live shard])
 
-    def full_manifest(self, **manifest_fields: Any) -> dict[str, Any]:
-        """The manifest with the optimizer's description and ``manifest_fields`` added."""
-        return {**self.manifest, **self.describe(), **manifest_fields}
+    def details(self, **fields: Any) -> dict[str, Any]:
+        """The piece's details: the optimizer's description, and ``fields`` (the Trainer's part)."""
+        return {**self.describe(), **fields}
 
-    def encode(self, **manifest_fields: Any) -> Piece:
-        """The piece in memory (see ``format.encode_piece``), with ``manifest_fields`` added to its
-        manifest; frees the buffer."""
+    def encode(self, **fields: Any) -> Piece:
+        """The piece in memory (see ``format.encode_piece``), with ``fields`` added to its details;
+        frees the buffer."""
         try:
             dev.host_waits(self.copied)
-            return encode_piece(self.shard, self.extras, self.full_manifest(**manifest_fields), self._data())
+            return encode_piece(self.shard, self.extras, step=self.step, rank=self.rank, world_size=self.world_size,
+                                details=self.details(**fields), shard_data=self._data())  # fmt: skip
         finally:
             self.release()
 
-    def write(self, path: str | Path, spares: str | Path | None = None, **manifest_fields: Any) -> dict[str, Any]:
+    def write(self, path: str | Path, spares: str | Path | None = None, **fields: Any) -> Manifest:
         """Write the piece into the new file ``path`` in one pass ([Note: one pass over the shard]
-        in ``format.py``), over a spare file of ``spares`` when there is one; returns its manifest
-        and frees the buffer."""
+        in ``file_layout.py``), over a spare file of ``spares`` when there is one, with ``fields``
+        added to its details; returns its manifest and frees the buffer."""
         try:
             dev.host_waits(self.copied)
-            manifest = self.full_manifest(**manifest_fields)
-            return write_piece(self.shard, self.extras, manifest, path, spares, self.files, self._data(), self.live)
+            return write_piece(self.shard, self.extras, path, step=self.step, rank=self.rank,
+                               world_size=self.world_size, details=self.details(**fields), spares=spares,
+                               files=self.files, shard_data=self._data(), shard_bytes=self.live)  # fmt: skip
         finally:
             self.release()
 
@@ -150,7 +156,6 @@ class ShardStager:
             shard, copied, release, data = plan.tensors, None, _nothing, None
         else:
             shard, copied, release, data = self._copied(view, plan)
-        manifest: dict[str, Any] = {"step": step, "rank": view.rank, "world_size": view.world_size}
         unsharded, buffer_names, extras = self._rank0_extras(view) if view.rank == 0 else ({}, set(), {})
 
         def describe() -> dict[str, Any]:  # the plan's records ([Note: copy plan] in copy_plan.py)
@@ -162,7 +167,9 @@ class ShardStager:
                 described["zero_meta"] = _rank0_metadata(view, by_name, unsharded, buffer_names)
             return described
 
-        return Staged(shard, extras, manifest, copied, release, describe, self._files, data, live_bytes)
+        return Staged(step=step, rank=view.rank, world_size=view.world_size, shard=shard, extras=extras,
+                      copied=copied, release=release, describe=describe, files=self._files, data=data,
+                      live=live_bytes)  # fmt: skip
 
     def _copied(self, view: ShardView, plan: CopyPlan):
         """The plan's tensors copied into a free host buffer ([Note: double buffer]), with the

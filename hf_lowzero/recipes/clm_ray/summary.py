@@ -17,10 +17,10 @@ from pathlib import Path
 import ray.train
 
 from hf_lowzero.consolidate import export_pretrained
-from hf_lowzero.ray.attempts import count_attempts
-from hf_lowzero.ray.config import RayFinetuneConfig
 from hf_lowzero.ray.prepare import trainer_checkpoint_in
-from hf_lowzero.ray.recipe import run_finetune
+from hf_lowzero.recipes.clm_ray.attempts import count_attempts
+from hf_lowzero.recipes.clm_ray.job import run_finetune
+from hf_lowzero.recipes.clm_ray.job_config import RayFinetuneConfig
 
 HEADER = "=== hf_lowzero fine-tune finished ==="
 
@@ -29,7 +29,8 @@ HEADER = "=== hf_lowzero fine-tune finished ==="
 class RunSummary:
     """What a finished run is worth telling: Ray's ``result``, the seconds ``fit`` took, the
     worker-group restarts it survived (attempts of the training function beyond the first), the
-    Trainer checkpoint folder inside Ray's final checkpoint, and the export directory (or None)."""
+    Trainer checkpoint folder inside Ray's final checkpoint, and the export directory (or None).
+    """
 
     result: ray.train.Result
     max_steps: int
@@ -86,7 +87,7 @@ def run_with_summary(config: RayFinetuneConfig, export_dir: str | Path | None = 
     export the final checkpoint to ``export_dir`` (on this machine) if one is given.
 
     Restarts come from the attempt records the training function leaves in the run's storage
-    folder (``hf_lowzero.ray.attempts``): the records this fit added, minus one.
+    folder (``hf_lowzero.recipes.clm_ray.attempts``): the records this fit added, minus one.
 
     Example::
 

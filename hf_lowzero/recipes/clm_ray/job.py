@@ -9,7 +9,7 @@ Example::
     print(result.metrics, result.checkpoint.path)
 
 Elastic (``num_workers=(1, 4)``, or ``--num-workers 1-4``): Ray restarts the group at a new size
-when capacity changes, and every attempt resumes the latest checkpoint, resharded (``elastic.py``).
+when capacity changes, and every attempt resumes the latest checkpoint, resharded (``hf_lowzero/ray/elastic.py``).
 
 # [Note: a lost rank under NCCL]
 # With gloo a rank whose peer died gets a connection error at its next collective and exits with
@@ -38,17 +38,14 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import TrainerCallback
 
-from hf_lowzero.ray.attempts import record_attempt
-from hf_lowzero.ray.config import RayFinetuneConfig
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.faults import InjectCorruption, InjectWorkerFailure
-from hf_lowzero.ray.holder import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+from hf_lowzero.ray.run_config import merge_run_config, with_snapshot_release
 from hf_lowzero.recipes.clm import clm_trainer
-
-# RunConfig.__post_init__ names a run it was given no name for "ray_train_run-<date>".
-_UNNAMED_RUN_PREFIX = "ray_train_run-"
+from hf_lowzero.recipes.clm_ray.attempts import record_attempt
+from hf_lowzero.recipes.clm_ray.job_config import RayFinetuneConfig
 
 
 def run_finetune(config: RayFinetuneConfig, **build_kwargs) -> ray.train.Result:
@@ -99,7 +96,7 @@ def build_trainer(
         storage_path=config.storage_path,
         failure_config=FailureConfig(max_failures=config.max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=config.num_to_keep),
-        logging_config=LoggingConfig(log_level="WARNING"),  # [Note: console noise] in console.py
+        logging_config=LoggingConfig(log_level="WARNING"),  # [Note: console noise] in hf_lowzero/ray/console.py
     )
     return TorchTrainer(
         train_loop_per_worker=functools.partial(train_loop_per_worker, trainer_callbacks=tuple(trainer_callbacks)),
@@ -121,52 +118,6 @@ def _alive_nodes() -> list[dict[str, float]]:
     if not ray.is_initialized():
         return []
     return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-
-
-def with_snapshot_release(run_config: RunConfig) -> RunConfig:
-    """``run_config`` with ``ReleaseSnapshots`` among its callbacks (once): the run's memory
-    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime]).
-
-    Args:
-        run_config: The run's configuration.
-
-    Returns:
-        A copy with ``ReleaseSnapshots`` added, or one equal to ``run_config`` when it has one already.
-    """
-    callbacks = list(run_config.callbacks or [])
-    if not any(isinstance(cb, ReleaseSnapshots) for cb in callbacks):
-        callbacks.append(ReleaseSnapshots())
-    return dataclasses.replace(run_config, callbacks=callbacks)
-
-
-def merge_run_config(caller: RunConfig | None, defaults: RunConfig) -> RunConfig:
-    """``defaults`` with every field ``caller`` set: a field the caller left out (``RunConfig`` fills
-    in ``FailureConfig()``, ``~/ray_results``, ``ray_train_run-<date>``, ...) keeps the default's value.
-
-    Example::
-
-        >>> merged = merge_run_config(RunConfig(failure_config=FailureConfig(max_failures=1)),
-        ...                           RunConfig(name="job", failure_config=FailureConfig(max_failures=3)))
-        >>> merged.name, merged.failure_config.max_failures
-        ('job', 1)
-
-    Args:
-        caller: The caller's ``RunConfig``, or None.
-        defaults: The job's own ``RunConfig``.
-
-    Returns:
-        ``defaults`` with the caller's fields put in, or ``defaults`` itself when ``caller`` is None.
-    """
-    if caller is None:
-        return defaults
-    unset = RunConfig()
-    given = {}
-    for f in dataclasses.fields(RunConfig):
-        value = getattr(caller, f.name)
-        left_out = value.startswith(_UNNAMED_RUN_PREFIX) if f.name == "name" else value == getattr(unset, f.name)
-        if not left_out:
-            given[f.name] = value
-    return dataclasses.replace(defaults, **given)
 
 
 def train_loop_per_worker(

@@ -60,7 +60,7 @@ class RayFinetuneConfig:
             loading); ``"auto"``: with ``use_gpu`` the CPUs per GPU of the cluster's GPU nodes (1 when
             none is up yet), 1 otherwise.
         collective_timeout_s: Seconds a collective may wait before the process group gives up
-            ([Note: a lost rank under NCCL] in ``recipe.py``).
+            ([Note: a lost rank under NCCL] in ``job.py``).
         zero_stage: 0 (plain Trainer/DDP), 1 (shard optimizer states), 2 (also gradients) or ``"auto"``
             (what a memory plan of this run recommends for the workers' free device memory).
         zero_device_memory: With ``zero_stage="auto"``: plan for this much memory per device (e.g.
