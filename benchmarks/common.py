@@ -112,8 +112,9 @@ class Setup:
     rows; ``zero_redundancy``: DDP + torch's ``ZeroRedundancyOptimizer`` over AdamW; ``fsdp2``:
     ``fully_shard`` on each GPT-2 block, then the root (ZeRO-3: params resharded after forward);
     ``deepspeed1``/``deepspeed2``: a DeepSpeed engine, ZeRO stage 1/2, torch AdamW as its client
-    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours (``zero_config``: ZeroConfig fields). Every one runs AdamW with its
-    default hyperparameters in fp32 without clipping. Accumulating, DDP-based setups and stage 1
+    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours (``zero_config``: ZeroConfig
+    fields besides the stage). Every one runs AdamW with its default hyperparameters in fp32 without
+    clipping. Accumulating, DDP-based setups and stage 1
     run the first micro-batches under ``no_sync``; FSDP2 and stage 2 reduce-scatter every one;
     DeepSpeed decides itself (``gradient_accumulation_steps``, ``engine.step()`` per micro-batch).
 
