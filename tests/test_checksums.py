@@ -65,29 +65,35 @@ def _piece(bucket, world_size, dst, name):
     raise KeyError(name)
 
 
-def _step(bucket, grads, world_size, comm_dtype=None, fault=None):
-    """One verify step of every rank; ``fault``: (kind, rank, param name). Returns rank 0's finding."""
+def _step(bucket, grads, checkers, comm_dtype=None, faults=()):
+    """One verify step of every rank (``checkers``), with ``faults``: (kind, rank, param name) each.
+    Returns the finding (rank 0's; every rank judges alike) or raises ``IntegrityError``."""
+    world_size = len(checkers)
     flats = _packed(bucket, grads, world_size, comm_dtype)
     sent = [f.clone() for f in flats]
-    if fault is not None and fault[0] in ("drop", "double"):
-        kind, src, name = fault
+    for kind, src, name in faults:
         for dst in range(world_size):
             a, b = _piece(bucket, world_size, dst, name)
-            sent[src][a:b] *= 0 if kind == "drop" else 2
+            sent[src][a:b] *= {"drop": 0, "double": 2}.get(kind, 1)
     total = sent[0].clone()
     for f in sent[1:]:
         total += f  # in the communication dtype, rounding at every add, as a ring does
-    checkers = _checkers(bucket, world_size, comm_dtype)
     for rank, checker in enumerate(checkers):
         checker.begin_step()
         checker.after_pack(bucket, flats[rank])
-        rows = total[sum(bucket.chunks[:rank]) : sum(bucket.chunks[: rank + 1])].clone()
-        if fault is not None and fault[0] == "corrupt" and fault[1] == rank:
-            a, _ = _piece(bucket, world_size, rank, fault[2])
-            rows[a - sum(bucket.chunks[:rank])] += 1.0 + 4 * rows.abs().max()
+        start = sum(bucket.chunks[:rank])
+        rows = total[start : start + bucket.chunks[rank]].clone()
+        for kind, owner, name in faults:
+            if kind == "corrupt" and owner == rank:
+                # as a flipped high exponent bit would: far beyond a bf16 reduction's bound as well
+                rows[_piece(bucket, world_size, rank, name)[0] - start] = 1e3 * (1.0 + rows.abs().max())
         checker.after_reduce(bucket, rows)
     table = torch.stack([c.payload() for c in checkers])
-    return checkers[0].verify_judge(table)
+    try:
+        return checkers[0].verify_judge(table)
+    finally:
+        for checker in checkers:
+            checker.end_step(skipped_nonfinite=False)
 
 
 def _grads(bucket, world_size, seed, integers=False, spread=True):
@@ -179,46 +185,44 @@ def test_random_gradients_raise_no_false_alarm(comm_dtype, whole):
     rounding: no seed raises (the bound holds for any error; here it is exercised)."""
     world_size = 3
     bucket = _bucket([(1,), (7,), (17, 257), (3 * PERIOD + 9,)], world_size, whole, comm_dtype)
+    checkers = _checkers(bucket, world_size, comm_dtype)
     for seed in range(4):
         grads = _grads(bucket, world_size, seed)
         if comm_dtype == torch.float16:
             grads = [[g.clamp(-3e3, 3e3) for g in per_param] for per_param in grads]
-        finding = _step(bucket, grads, world_size, comm_dtype)
+        finding = _step(bucket, grads, checkers, comm_dtype)
         assert finding.mismatches == [] and finding.nonfinite == []
 
 
 # --------------------------------------------------------------------- faults, named
 
 
-CASES = [  # (whole, communication dtype, param)
-    (False, torch.float32, "p0"),  # 1 element: in rows of 1, padded for ranks 1 and 2
-    (False, torch.float32, "p2"),  # 17 x 257: padded
-    (False, torch.float32, LONG),  # pieces of 3 periods and more: folded
-    (True, torch.float32, "p0"),  # uneven whole-param chunks
-    (True, torch.float32, LONG),
-    (False, torch.bfloat16, LONG),
-    (True, torch.bfloat16, "p2"),
-]
-
-
-@pytest.mark.parametrize(("whole", "comm_dtype", "name"), CASES)
-def test_a_dropped_doubled_or_corrupted_contribution_is_named(whole, comm_dtype, name):
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_dropped_doubled_or_corrupted_contribution_is_named(whole, comm_dtype):
+    """Three faults at once, each on its own param, in turn on a 1-element param (rows: padding for
+    ranks 1 and 2), a padded 17 x 257 one and one whose pieces span over two periods (folded); whole
+    params: uneven chunks. Each is named, with the rank that explains it."""
     world_size = 3
     bucket = _bucket(SHAPES, world_size, whole, comm_dtype)
-    slot = next(s for s in bucket.slots if s.name == name)
-    owner = slot.shard.owner if whole else 2  # the owner of the rows checked (rows: its piece, padding and all)
+    owner = {s.name: s.shard.owner if whole else 0 for s in bucket.slots}  # rows: rank 0's piece is never padding
     grads = _grads(bucket, world_size, 1, spread=False)  # a contribution far below the others is lost in rounding
-    expected = {
-        ("drop", 1): "rank 1's contribution was dropped",
-        ("double", 2): "rank 2's contribution was doubled",
-        ("corrupt", owner): f"rank {owner}'s reduced rows differ",
-    }
-    for (kind, rank), text in expected.items():
+    checkers = _checkers(bucket, world_size, comm_dtype)
+    params = ["p0", "p2", LONG]
+    for turn in range(3):
+        dropped, doubled, corrupted = params[turn:] + params[:turn]
+        faults = [("drop", 1, dropped), ("double", 2, doubled), ("corrupt", owner[corrupted], corrupted)]
         with pytest.raises(IntegrityError) as caught:
-            _step(bucket, grads, world_size, comm_dtype, fault=(kind, rank, name))
+            _step(bucket, grads, checkers, comm_dtype, faults)
         error = caught.value
-        assert (error.names, error.kind, error.step) == ([name], "reduction", 1), str(error)
-        assert error.ranks == [rank] and text in str(error), str(error)
+        assert (sorted(error.names), error.kind) == (sorted(params), "reduction"), str(error)
+        assert error.ranks == sorted({1, 2, owner[corrupted]}), str(error)
+        for text, name in [
+            ("rank 1's contribution was dropped", dropped),
+            ("rank 2's contribution was doubled", doubled),
+            (f"rank {owner[corrupted]}'s reduced rows differ", corrupted),
+        ]:
+            assert f"parameter {name!r} (rows of rank {owner[name]}): {text}" in str(error), str(error)
 
 
 def test_a_non_finite_local_gradient_is_named_by_rank_and_param():
@@ -226,7 +230,7 @@ def test_a_non_finite_local_gradient_is_named_by_rank_and_param():
     bucket = _bucket(SHAPES, world_size)
     grads = _grads(bucket, world_size, 2)
     grads[1][_position(bucket, LONG)].view(-1)[PERIOD + 11] = float("nan")
-    finding = _step(bucket, grads, world_size)
+    finding = _step(bucket, grads, _checkers(bucket, world_size))
     assert finding.nonfinite == [(1, LONG)] and finding.mismatches == []
 
 
@@ -250,6 +254,18 @@ def test_the_hash_sees_a_flip_a_cancelling_pair_and_a_swap():
     swapped[[0, 2]] = swapped[[2, 0]]
     changed = tensor_hash(swapped, weights)
     assert changed[0] == base[0] and changed[1] != base[1]
+
+
+def test_hashes_stacked_by_length_equal_the_hashes_one_by_one():
+    tensors = [torch.randn(n) for n in (2, 6, 6, 2 * checksums.HASH_WIDTH + 4, 2 * checksums.HASH_BATCH + 2, 4, 3)]
+    tensors += [torch.randn(8, dtype=torch.bfloat16), torch.randn(6, 6)[:, :4], torch.zeros(0)]
+    named = [(f"t{i}", t) for i, t in enumerate(tensors)]
+    hashes = checksums.ReplicaHashes(named)
+    (rows,) = hashes.compute()
+    weights = hash_weights(CPU)
+    expected = torch.stack([tensor_hash(t, weights) for t in tensors])
+    order = [int(name[1:]) for name in hashes.names]
+    assert sorted(order) == list(range(len(tensors))) and torch.equal(rows, expected[order])
 
 
 @pytest.mark.parametrize("tensor", [torch.randn(7, dtype=torch.bfloat16), torch.arange(13, dtype=torch.uint8)])

@@ -19,8 +19,9 @@ Example::
 # is a sum. Both can be checked exactly and cheaply.
 # - Replicas. On a verify step each rank hashes every parameter (trainable and frozen) and
 #   persistent buffer as the step's forward sees them: two wrapping int64 sums of its bit patterns,
-#   of the words and of the words weighted by position (``checksums.tensor_hash``). Any flipped bit
-#   changes the first; changes that cancel in it, or words swapped, change the second. The ranks
+#   of the words and of the words weighted by position (``checksums.tensor_hash``; small tensors are
+#   hashed with the others of their length at once). Any flipped bit changes the first; changes that
+#   cancel in it, or words swapped, change the second. The ranks
 #   compare the hashes; a parameter whose hash differs names the ranks that disagree with the
 #   majority (with two ranks, both).
 # - Reductions. For every bucket reduced on a verify step each rank takes, per destination rank
@@ -45,6 +46,9 @@ Example::
 #   doubled: +its dot); one no rank explains is corruption of the owner's rows.
 # - Non-finite local gradients show as non-finite dots: they name their rank and parameter before
 #   the reduction mixes them into every rank's rows (the step is then skipped, as always).
+# - No host sync in the hooks: what the host needs is planned when the checker is made, and the
+#   numbers stay on the device until the one copy of the gathered table (``verify``, or the step's own
+#   copy between ``verify_launch`` and ``verify_judge``).
 # Every rank gathers every rank's numbers and judges the same way, so all raise together, before the
 # update (and before any checkpoint or snapshot of that state). What it cannot see: a gradient
 # computed wrong but consistently on one rank (its dot agrees with what it sent), and masters
@@ -65,12 +69,11 @@ from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.checksums import (
     PERIOD,
     SCRATCH,
+    ReplicaHashes,
     SegmentPlan,
     bound_factors,
     bucket_plans,
-    hash_weights,
     sign_table,
-    tensor_hash,
 )
 from hf_lowzero.zero.config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
 from hf_lowzero.zero.verdict import Finding, Judged, judge, summary
@@ -152,12 +155,7 @@ class IntegrityChecker:
         self.failures = 0
         self.verify_seconds = 0.0
         self.bytes_gathered = 0
-        # hashed device by device (a buffer may live elsewhere); the table lists them in this order
-        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-        for name, tensor in tensors:
-            by_device.setdefault(tensor.device, []).append((name, tensor))
-        self.tensors = [pair for group in by_device.values() for pair in group]
-        self._hash_groups = [[t for _, t in group] for group in by_device.values()]
+        self.tensors = tensors
         self._forced: set[int] = set()
         self._next = 1  # the next step to verify
         self._verifying = False
@@ -175,7 +173,7 @@ class IntegrityChecker:
             self._checks = [self._bucket_checks(bucket) for bucket in buckets]
             self._signs = sign_table(max((c.judged.probes for c in self._checks), default=2), device)
             self._scratch = torch.empty(SCRATCH, dtype=torch.float64, device=device)
-            self._weights = {d: hash_weights(d) for d in by_device}
+            self._replicas = ReplicaHashes(tensors)
 
     def _bucket_checks(self, bucket: Bucket) -> _BucketChecks:
         dtype = self.comm_dtype or bucket.dtype
@@ -208,9 +206,7 @@ class IntegrityChecker:
         self._verifying = self.enabled and (self.step >= self._next or self.step in self._forced)
         if self._verifying:
             start = time.perf_counter()
-            self._hashes = [
-                torch.stack([tensor_hash(t, self._weights[t.device]) for t in group]) for group in self._hash_groups
-            ]
+            self._hashes = self._replicas.compute()  # per device (a buffer may live elsewhere)
             self._spent += time.perf_counter() - start
 
     # ------------------------------------------------------------------------ reductions
@@ -303,7 +299,7 @@ class IntegrityChecker:
         # A simulation on fake tensors (hf_lowzero.simulation) runs the checks' work and collective;
         # there is no data to judge.
         judged = [self._checks[r.bucket.index].judged for r in self._records]
-        names = [name for name, _ in self.tensors]
+        names = self._replicas.names
         fake = is_fake(table)
         finding = Finding(self.step) if fake else judge(table, self.step, self.world_size, judged, names)
         self._finding = finding
