@@ -43,8 +43,8 @@ Example::
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
 # - Integrity checks ([Note: integrity checks] in zero/integrity.py) hold, while they are on, their
 #   sign table (2 MiB; 8 MiB with 16-bit gradients, 8 probes) and 4 MiB of scratch, and on verify
-#   steps at most 4 MiB more for a stack of hashed tensors: within the reserve. The simulated step
-#   checks nothing.
+#   steps at most 6 MiB more at a time (a stack of hashed tensors, a gather of gradient pieces):
+#   within the reserve. The simulated step checks nothing.
 """
 
 from __future__ import annotations

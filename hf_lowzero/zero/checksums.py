@@ -162,7 +162,8 @@ class SegmentPlan:
                 split_rows, pieces = run.rows, view[run.rows[0] : run.rows[1]].tensor_split(self.bounds, dim=1)
             members = run.members(pieces)
             x = scratch[: (run.rows[1] - run.rows[0]) * len(members) * run.length]
-            torch.cat(members, dim=1, out=x.view(run.rows[1] - run.rows[0], -1))  # cast to float64 on the way
+            # one gather in the buffer's dtype (one kernel however many members), one cast to float64
+            x.view(run.rows[1] - run.rows[0], -1).copy_(members[0] if len(members) == 1 else torch.cat(members, dim=1))
             x = x.view(-1, run.length)  # [rows * members, length], row-major
             dots.index_add_(0, run.out, _signed(x, signs, probes, shift))
             if norms:

@@ -276,8 +276,12 @@ class IntegrityChecker:
         return self._gathered
 
     def payload(self) -> torch.Tensor:
-        """This rank's numbers of this verify step, 1D float64 on the device: per record its local
-        dots and norms, then per record its own dots, the hashes, and its interval for "auto"."""
+        """This rank's numbers of this verify step (what ``verify_launch`` all-gathers).
+
+        Returns:
+            1D float64 on the device: per reduced bucket its dots per destination, param and probe
+            and their norms; then per bucket the owner's dots; the hashes; its interval for "auto".
+        """
         parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
         parts += [h.to(self.device).view(torch.float64).flatten() for h in self._hashes]
         parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]
