@@ -173,12 +173,11 @@ class SegmentPlan:
             total = scratch[: rows * PERIOD].view(rows, PERIOD).zero_()
             square = torch.zeros(rows, dtype=torch.float64, device=values.device)
             for a, b in fold.chunks:
-                full, rest = (b - a) // PERIOD * PERIOD, (b - a) % PERIOD
                 x = scratch[rows * PERIOD : rows * PERIOD + rows * (b - a)].view(rows, b - a)
                 x.copy_(view[fold.rows[0] : fold.rows[1], a:b])
-                total += x[:, :full].view(rows, -1, PERIOD).sum(1)
-                if rest:
-                    total[:, :rest] += x[:, full:]
+                for c in range(0, b - a, PERIOD):  # contiguous adds: faster than a sum over a middle dim
+                    block = x[:, c : c + PERIOD]
+                    total[:, : block.shape[1]] += block
                 if norms:
                     square += torch.linalg.vector_norm(x, dim=1).square_()
             dots.index_add_(0, fold.out, _signed(total, signs, probes, shift))
