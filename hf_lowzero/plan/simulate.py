@@ -41,9 +41,10 @@ Example::
 #   with eager attention (T5) keep the scores either way.
 # - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
-# - Integrity checks ([Note: integrity checks] in zero/integrity.py) run on verify steps only, over
-#   windows of a bucket: their scratch is at most about 20 MiB (16-bit gradients, 8 probes), within
-#   the reserve. The simulated step checks nothing.
+# - Integrity checks ([Note: integrity checks] in zero/integrity.py) hold, while they are on, their
+#   sign table (2 MiB; 8 MiB with 16-bit gradients, 8 probes) and 4 MiB of scratch, and on verify
+#   steps at most 6 MiB more at a time (a stack of hashed tensors, a gather of gradient pieces):
+#   within the reserve. The simulated step checks nothing.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 ``IntegrityChecker`` is called at points the step already has: the first backward of a step
 (``begin_step``), each bucket packed (``after_pack``) and reduced (``after_reduce``), and the step
-(``verify``, before the norm). On a verify step ([Note: integrity checks]) it costs one read of the
-params and a few of the gradients, on the device, and one all-gather of a few numbers per parameter;
-on other steps nothing.
+(``verify``, before the norm; or ``verify_launch`` and ``verify_judge`` around one copy to the host
+that the step shares). On a verify step ([Note: integrity checks]) it costs one read of the params
+and of the gradients on each side of every reduction, on the device, with no host sync in the
+hooks, and one all-gather of a few numbers per parameter; on other steps nothing. The arithmetic
+is in ``checksums.py``.
 
 Example::
 
@@ -16,27 +18,37 @@ Example::
 # The step is exact: after the all-gather every rank holds bit-identical params, and a reduction
 # is a sum. Both can be checked exactly and cheaply.
 # - Replicas. On a verify step each rank hashes every parameter (trainable and frozen) and
-#   persistent buffer as the step's forward sees them: two int64 sums of its bit patterns, words
-#   and squared words, wrapping. Any flipped bit changes the first. The ranks compare the hashes;
-#   a parameter whose hash differs names the ranks that disagree with the majority (with two
-#   ranks, both).
-# - Reductions. For every bucket reduced on a verify step each rank draws P vectors of random
-#   signs (+1/-1) over the packed bucket from a seed all ranks share (the step and the reduction's
-#   place in it), and takes, per destination rank and parameter, the dot product of its packed
-#   (pre-divided) gradients with each, and their L2 norm. After the collective the owner takes the
-#   same dot products of its reduced rows. Summation is linear: the owner's dot must equal the sum
-#   of the ranks' dots, up to the rounding of the reduction. That rounding error e, whatever it is,
-#   does not depend on the random signs v, so sum(e_i v_i) is a sum of independent terms of random
-#   sign: by Hoeffding's inequality it exceeds 8 standard deviations with probability below
-#   2 exp(-32) (1e-14), and its standard deviation is at most (W - 1) eps ||sum of |g_src|||, bounded
-#   by (W - 1) eps sum_src ||g_src|| (eps: the communication dtype's unit roundoff). That is the
-#   bound. A dropped or doubled contribution moves the dot by that rank's own dot, of standard
-#   deviation ||g_src||: far outside the bound in fp32; with bf16 reductions the bound is wider
-#   (eps = 2^-8), so 16-bit reductions use 8 probes instead of 2. The residual against each rank's
-#   dots names the rank whose contribution explains it (dropped: -its dot, doubled: +its dot);
-#   one no rank explains is corruption of the owner's rows.
+#   persistent buffer as the step's forward sees them: two wrapping int64 sums of its bit patterns,
+#   of the words and of the words weighted by position (``checksums.tensor_hash``; small tensors are
+#   hashed with the others of their length at once). Any flipped bit changes the first; changes that
+#   cancel in it, or words swapped, change the second. The ranks
+#   compare the hashes; a parameter whose hash differs names the ranks that disagree with the
+#   majority (with two ranks, both).
+# - Reductions. For every bucket reduced on a verify step each rank takes, per destination rank
+#   and parameter (a segment), the dot products of its packed (pre-divided) gradients with P
+#   vectors of random signs (+1/-1) that all ranks share, and their L2 norm; after the collective
+#   the owner takes the same dot products of its reduced rows ([Note: segment checksums] in
+#   checksums.py: how the signs are laid out and the dots computed). Summation is linear: the
+#   owner's dot must equal the sum of the ranks' dots, up to the rounding of the reduction. That
+#   rounding error e, whatever it is, does not depend on the signs v (the checks never change what
+#   training computes), so sum(e_i v_i) is a sum of independent terms of random sign: by Hoeffding's
+#   inequality it exceeds SIGMAS = 8 times sqrt(sum e_i^2) with probability below 2 exp(-32)
+#   (1e-14) per probe. Each |e_i| <= gamma_{W-1} sum_src |g_src,i| (gamma_k = k u / (1 - k u), u the
+#   communication dtype's unit roundoff, any order of summation), so sqrt(sum e_i^2) <= gamma_{W-1}
+#   sum_src ||g_src||; a segment longer than the sign table's period repeats its signs, which costs
+#   a factor sqrt(m) (m: the periods it touches). The bound is
+#       sum_src ||g_src|| * (SIGMAS gamma_{W-1} sqrt(m) + 3 (m + min(n, PERIOD) + W) u64 sqrt(n))
+#   where the second term covers the checks' own float64 arithmetic over the segment's n elements
+#   (``checksums.bound_factors``). A dropped or doubled contribution moves the dot by that rank's
+#   own dot, of standard deviation ||g_src||: far outside the bound in fp32; with bf16 reductions
+#   the bound is wider (u = 2^-8), so 16-bit reductions use 8 probes instead of 2. The residual
+#   against each rank's dots names the rank whose contribution explains it (dropped: -its dot,
+#   doubled: +its dot); one no rank explains is corruption of the owner's rows.
 # - Non-finite local gradients show as non-finite dots: they name their rank and parameter before
 #   the reduction mixes them into every rank's rows (the step is then skipped, as always).
+# - No host sync in the hooks: what the host needs is planned when the checker is made, and the
+#   numbers stay on the device until the one copy of the gathered table (``verify``, or the step's own
+#   copy between ``verify_launch`` and ``verify_judge``).
 # Every rank gathers every rank's numbers and judges the same way, so all raise together, before the
 # update (and before any checkpoint or snapshot of that state). What it cannot see: a gradient
 # computed wrong but consistently on one rank (its dot agrees with what it sent), and masters
@@ -47,18 +59,27 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from hf_lowzero.zero import comm, faults
 from hf_lowzero.zero.buckets import Bucket
+from hf_lowzero.zero.checksums import (
+    PERIOD,
+    SCRATCH,
+    ReplicaHashes,
+    SegmentPlan,
+    bound_factors,
+    bucket_plans,
+    sign_table,
+)
 from hf_lowzero.zero.config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
+from hf_lowzero.zero.verdict import Finding, Judged, judge, summary
 
 MAX_INTERVAL = 1000
 SIGMAS = 8.0  # [Note: integrity checks]: the bound's standard deviations
-SLACK = 1e-9  # float64 summation of the dots themselves, relative
 
 
 class IntegrityError(RuntimeError):
@@ -85,26 +106,22 @@ class IntegrityError(RuntimeError):
 
 
 @dataclass
-class Finding:
-    """What a verify step found: mismatches (raise) and non-finite local gradients (reported)."""
-
-    step: int
-    mismatches: list[str] = field(default_factory=list)
-    groups: list[tuple] = field(default_factory=list)  # per mismatch: alike ones are reported together
-    ranks: list[int] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)
-    nonfinite: list[tuple[int, str]] = field(default_factory=list)  # (rank, parameter)
-
-
-@dataclass
 class _Record:
     """One bucket's reduction on a verify step: this rank's numbers for it."""
 
     bucket: Bucket
     local: torch.Tensor  # [W * m * P + W * m] float64: dots per (destination, param, probe), norms
-    seed: int  # of the signs (the step and the reduction's place in it: the same on every rank)
+    shift: int  # where the signs start (the step and the reduction's place in it: the same on every rank)
     own: torch.Tensor | None = None  # [m * P] float64: dots of the reduced rows
+
+
+@dataclass(frozen=True, eq=False)
+class _BucketChecks:
+    """What a bucket's checks need, made once: its plans, and what judging it needs."""
+
+    local: SegmentPlan  # the packed bucket
+    own: SegmentPlan  # this rank's reduced chunk
+    judged: Judged
 
 
 class IntegrityChecker:
@@ -125,7 +142,7 @@ class IntegrityChecker:
         every: int | str,
         on_mismatch: str,
     ) -> None:
-        self.buckets, self.names, self.tensors = buckets, names, tensors
+        self.buckets, self.names = buckets, names
         self.comm_dtype = comm_dtype
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.every = check_verify_every(every)
@@ -138,19 +155,32 @@ class IntegrityChecker:
         self.failures = 0
         self.verify_seconds = 0.0
         self.bytes_gathered = 0
+        self.tensors = tensors
         self._forced: set[int] = set()
         self._next = 1  # the next step to verify
         self._verifying = False
         self._began = False
-        self._hashes: torch.Tensor | None = None
+        self._hashes: list[torch.Tensor] = []
         self._records: list[_Record] = []
         self._pending: dict[int, _Record] = {}
+        self._gathered: torch.Tensor | None = None
         self._spent = 0.0  # seconds of checks in this step
         self._step_started: float | None = None
         self._step_seconds: float | None = None
         self._finding: Finding | None = None
-        self._segment_ends: dict[tuple[int, bool], torch.Tensor] = {}
         self.last_nonfinite: list[tuple[int, str]] = []  # (rank, parameter) of the newest verify step
+        if self.enabled:  # everything the hooks need, made here: they read nothing back from the device
+            self._checks = [self._bucket_checks(bucket) for bucket in buckets]
+            self._signs = sign_table(max((c.judged.probes for c in self._checks), default=2), device)
+            self._scratch = torch.empty(SCRATCH, dtype=torch.float64, device=device)
+            self._replicas = ReplicaHashes(tensors)
+
+    def _bucket_checks(self, bucket: Bucket) -> _BucketChecks:
+        dtype = self.comm_dtype or bucket.dtype
+        local, own = bucket_plans(bucket, self.world_size, self.rank, self.device)
+        factors = bound_factors(bucket, self.world_size, torch.finfo(dtype).eps / 2, SIGMAS)
+        names = tuple(self.names[id(s)] for s in bucket.slots)
+        return _BucketChecks(local, own, Judged(bucket.index, names, 2 if dtype == torch.float32 else 8, factors))
 
     # ------------------------------------------------------------------------ the schedule
 
@@ -176,7 +206,7 @@ class IntegrityChecker:
         self._verifying = self.enabled and (self.step >= self._next or self.step in self._forced)
         if self._verifying:
             start = time.perf_counter()
-            self._hashes = torch.stack([_hash(t).to(self.device) for _, t in self.tensors])
+            self._hashes = self._replicas.compute()  # per device (a buffer may live elsewhere)
             self._spent += time.perf_counter() - start
 
     # ------------------------------------------------------------------------ reductions
@@ -186,7 +216,10 @@ class IntegrityChecker:
         self.begin_step()
         if self._verifying:
             start = time.perf_counter()
-            record = self._local(bucket, flat)
+            checks = self._checks[bucket.index]
+            shift = _shift(self.step, len(self._records))
+            dots, norms = checks.local.sums(flat, self._signs, checks.judged.probes, shift, self._scratch)
+            record = _Record(bucket, torch.cat([dots.flatten(), norms]), shift)
             self._records.append(record)
             self._pending[bucket.index] = record
             self._spent += time.perf_counter() - start
@@ -200,69 +233,91 @@ class IntegrityChecker:
         record = self._pending.pop(bucket.index, None)
         if record is not None:
             start = time.perf_counter()
-            offset = sum(bucket.chunks[: self.rank])  # where this rank's chunk sits in the packed bucket
-            sums, _ = _segment_sums(rows, offset, self._ends(bucket, own=True), self._probes(bucket), record.seed)
-            record.own = sums.flatten()
+            checks = self._checks[bucket.index]
+            probes = checks.judged.probes
+            dots, _ = checks.own.sums(rows, self._signs, probes, record.shift, self._scratch, norms=False)
+            record.own = dots.flatten()
             self._spent += time.perf_counter() - start
-
-    def _probes(self, bucket: Bucket) -> int:
-        return 2 if (self.comm_dtype or bucket.dtype) == torch.float32 else 8
-
-    def _lengths(self, bucket: Bucket) -> list[list[int]]:
-        """Per rank (chunk), each param's piece length, in packing order."""
-        return [[s.shard.piece_numel(r) for s in bucket.slots] for r in range(self.world_size)]
-
-    def _local(self, bucket: Bucket, flat: torch.Tensor) -> _Record:
-        probes = self._probes(bucket)
-        seed = _seed(self.step, len(self._records))
-        sums, norms = _segment_sums(flat, 0, self._ends(bucket, own=False), probes, seed, with_norms=True)
-        return _Record(bucket, torch.cat([sums.flatten(), norms]), seed)
-
-    def _ends(self, bucket: Bucket, own: bool) -> torch.Tensor:
-        """Where each segment (param piece) ends: over the packed bucket (per destination rank, per
-        param) or over this rank's chunk. Made once per bucket on the device: no copy from the
-        host, so no wait for the device, on a verify step.
-        """
-        key = (bucket.index, own)
-        if key not in self._segment_ends:
-            lengths = self._lengths(bucket)
-            flat = lengths[self.rank] if own else [n for per_rank in lengths for n in per_rank]
-            self._segment_ends[key] = torch.tensor(flat, dtype=torch.int64).cumsum(0).to(self.device)
-        return self._segment_ends[key]
 
     # ------------------------------------------------------------------------ the verdict
 
     def verify(self) -> Finding | None:
         """At the step, after every reduction: gather every rank's numbers and judge; raise
         ``IntegrityError`` (every rank at once) on a mismatch. None on a step that checks nothing.
-        Once per step (a second call returns the first's finding).
+        Once per step (a second call returns the first's finding). ``verify_launch``, one copy of
+        its table to the host, then ``verify_judge``.
+        """
+        gathered = self.verify_launch()
+        if gathered is None:
+            return self._finding
+        start = time.perf_counter()
+        table = gathered.cpu()
+        self._spent += time.perf_counter() - start
+        return self.verify_judge(table)
+
+    def verify_launch(self) -> torch.Tensor | None:
+        """The first half of ``verify``: start the all-gather of this rank's numbers, on the device.
+
+        Returns:
+            ``[world_size, n]`` float64 on the device, every rank's numbers, to copy to the host
+            (with whatever else the step copies) and pass to ``verify_judge``; the same tensor if
+            called again before that. None on a step that checks nothing or was judged already.
+        """
+        if not self._verifying or self._finding is not None:
+            return None
+        if self._gathered is None:
+            start = time.perf_counter()
+            payload = self.payload()
+            gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.float64, device=self.device)
+            comm.all_gather(gathered, payload, self.group)
+            self.bytes_gathered += gathered.numel() * 8
+            self._gathered = gathered.view(self.world_size, -1)
+            self._spent += time.perf_counter() - start
+        return self._gathered
+
+    def payload(self) -> torch.Tensor:
+        """This rank's numbers of this verify step (what ``verify_launch`` all-gathers).
+
+        Returns:
+            1D float64 on the device: per reduced bucket its dots per destination, param and probe
+            and their norms; then per bucket the owner's dots; the hashes; its interval for "auto".
+        """
+        parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
+        parts += [h.to(self.device).view(torch.float64).flatten() for h in self._hashes]
+        parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]
+        return torch.cat(parts)
+
+    def verify_judge(self, table: torch.Tensor) -> Finding | None:
+        """The second half of ``verify``: judge ``table`` (``verify_launch``'s tensor, on the host).
+
+        Returns:
+            What the checks found; None on a step that checks nothing. Once per step: later calls
+            return the first's finding.
+
+        Raises:
+            IntegrityError: A replica or reduction check failed (on every rank at once).
         """
         if not self._verifying or self._finding is not None:
             return self._finding
         start = time.perf_counter()
-        parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
-        parts += [self._hashes.view(torch.float64).flatten().to(self.device)]
-        parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]
-        payload = torch.cat([p.to(self.device) for p in parts])
-        gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.float64, device=self.device)
-        comm.all_gather(gathered, payload, self.group)
-        self.bytes_gathered += gathered.numel() * 8
-        table = gathered.view(self.world_size, -1).cpu()
         # A simulation on fake tensors (hf_lowzero.simulation) runs the checks' work and collective;
         # there is no data to judge.
-        finding = self._finding = Finding(self.step) if is_fake(table) else self._judge(table)
+        judged = [self._checks[r.bucket.index].judged for r in self._records]
+        names = self._replicas.names
+        fake = is_fake(table)
+        finding = Finding(self.step) if fake else judge(table, self.step, self.world_size, judged, names)
+        self._finding = finding
         self.last_nonfinite = list(dict.fromkeys(finding.nonfinite))
         self.checks += 1
         self._spent += time.perf_counter() - start
         self.verify_seconds += self._spent
-        proposals = table[:, -1]
-        if self.every == VERIFY_AUTO and not is_fake(table):
-            self.interval = int(min(MAX_INTERVAL, max(1, proposals.max().item())))
+        if self.every == VERIFY_AUTO and not fake:
+            self.interval = int(min(MAX_INTERVAL, max(1, table[:, -1].max().item())))
         self._next = self.step + self.interval
         if finding.mismatches:
             self.failures += 1
             raise IntegrityError(
-                f"integrity check failed at step {finding.step}: " + "; ".join(_summary(finding)),
+                f"integrity check failed at step {finding.step}: " + "; ".join(summary(finding)),
                 finding.step,
                 sorted(set(finding.ranks)),
                 list(dict.fromkeys(finding.names)),
@@ -297,8 +352,8 @@ class IntegrityChecker:
         and the schedule stay.
         """
         self._began = self._verifying = False
-        self._hashes, self._records, self._pending, self._spent = None, [], {}, 0.0
-        self._finding = None
+        self._hashes, self._records, self._pending, self._spent = [], [], {}, 0.0
+        self._gathered = self._finding = None
 
     def nonfinite_text(self) -> str | None:
         """Where this step's non-finite gradients came from, if a check of this step named it."""
@@ -308,152 +363,7 @@ class IntegrityChecker:
         named = ", ".join(f"rank {r}: {n!r}" for r, n in dict.fromkeys(finding.nonfinite))
         return f"Non-finite local gradients at step {finding.step}: {named}."
 
-    def _judge(self, table: torch.Tensor) -> Finding:
-        finding = Finding(self.step)
-        world, offset = self.world_size, 0
-        sizes = []
-        for record in self._records:
-            m, p = len(record.bucket.slots), self._probes(record.bucket)
-            sizes.append((record.bucket, m, p, offset))
-            offset += world * m * p + world * m
-        own_at = offset
-        for bucket, m, p, start in sizes:
-            dots = table[:, start : start + world * m * p].reshape(world, world, m, p)  # [src, dst, param, probe]
-            norms = table[:, start + world * m * p : start + world * m * p + world * m].reshape(world, world, m)
-            own = table[:, own_at : own_at + m * p].reshape(world, m, p)  # [owner, param, probe]
-            own_at += m * p
-            self._judge_bucket(finding, bucket, dots, norms, own)
-        self._judge_replicas(finding, table[:, own_at:-1].contiguous())
-        return finding
 
-    def _judge_bucket(self, finding: Finding, bucket: Bucket, dots, norms, own) -> None:
-        names = [self.names[id(s)] for s in bucket.slots]
-        eps = torch.finfo(self.comm_dtype or bucket.dtype).eps / 2  # unit roundoff
-        for j, name in enumerate(names):
-            bad = [src for src in range(self.world_size) if not torch.isfinite(dots[src, :, j]).all()]
-            if bad:
-                finding.nonfinite += [(src, name) for src in bad]
-                continue
-            for owner in range(self.world_size):
-                expected = dots[:, owner, j].sum(0)  # [probes]
-                residual = own[owner, j] - expected
-                scale = norms[:, owner, j].sum().item()
-                bound = SIGMAS * (self.world_size - 1) * eps * scale
-                bound += SLACK * (own[owner, j].abs().max().item() + dots[:, owner, j].abs().sum(0).max().item())
-                if not torch.isfinite(residual).all() or residual.abs().max().item() > bound:
-                    self._explain(finding, bucket, owner, j, name, residual, dots[:, owner, j], bound)
-
-    def _explain(self, finding: Finding, bucket, owner: int, j: int, name: str, residual, sent, bound) -> None:
-        """Name the rank whose contribution explains ``residual``, or the owner's rows."""
-        what = None
-        for src in range(self.world_size):
-            if (residual + sent[src]).abs().max().item() <= 2 * bound:
-                what, rank = f"rank {src}'s contribution was dropped", src
-                break
-            if (residual - sent[src]).abs().max().item() <= 2 * bound:
-                what, rank = f"rank {src}'s contribution was doubled", src
-                break
-        if what is None:
-            what, rank = f"rank {owner}'s reduced rows differ from the sum the ranks sent (corrupted)", owner
-        finding.mismatches.append(
-            f"bucket {bucket.index}, parameter {name!r} (rows of rank {owner}): {what}; residual "
-            f"{residual.abs().max().item():.3g} against a bound of {bound:.3g}"
-        )
-        finding.groups.append((bucket.index, what))
-        finding.ranks.append(rank)
-        finding.names.append(name)
-        finding.kinds.append("reduction")
-
-    def _judge_replicas(self, finding: Finding, hashes: torch.Tensor) -> None:
-        words = hashes.view(torch.int64).view(self.world_size, len(self.tensors), 2)
-        for k, (name, _) in enumerate(self.tensors):
-            values = [tuple(words[r, k].tolist()) for r in range(self.world_size)]
-            if len(set(values)) == 1:
-                continue
-            counts = {v: values.count(v) for v in values}
-            majority = max(counts.values())
-            agreed = [v for v, c in counts.items() if c == majority]
-            odd = [r for r, v in enumerate(values) if len(agreed) > 1 or v != agreed[0]]
-            finding.mismatches.append(
-                f"parameter {name!r} differs across replicas: rank(s) {odd} disagree with "
-                + ("each other (no majority)" if len(agreed) > 1 else "the majority")
-            )
-            finding.groups.append(("replica", tuple(odd), len(agreed) > 1))
-            finding.ranks += odd
-            finding.names.append(name)
-            finding.kinds.append("replica")
-
-
-def _summary(finding: Finding) -> list[str]:
-    """One entry per kind of mismatch (a bucket and what explains it, or the ranks a replica
-    disagrees with): its first parameter in full, and how many more are alike (``.names`` has them all).
-    """
-    first: dict[tuple, str] = {}
-    count: dict[tuple, int] = {}
-    for group, text in zip(finding.groups, finding.mismatches):
-        first.setdefault(group, text)
-        count[group] = count.get(group, 0) + 1
-    return [text + (f" (and {count[g] - 1} more alike)" if count[g] > 1 else "") for g, text in first.items()]
-
-
-def _hash(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of ``t``'s bit patterns (words, squared words; wrapping), on its device, by
-    windows (a 2 GiB embedding needs no 4 GiB of int64 scratch).
-    """
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    raw = t.reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    total = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for a in range(0, words.numel(), 4 * WINDOW):
-        wide = words[a : a + 4 * WINDOW].to(torch.int64)
-        total += torch.stack([wide.sum(), (wide * wide).sum()])
-    return total
-
-
-def _seed(step: int, reduction: int) -> int:
-    return (step * 1_000_003 + reduction * 7919 + 12345) % (2**31)
-
-
-WINDOW = 1 << 17  # elements processed at once: bounds the checks' scratch (~20 MiB at 8 probes), whatever the bucket
-
-
-def _signs(positions: torch.Tensor, seed: int) -> torch.Tensor:
-    """Random sign bits of packed ``positions`` (int64; bit p + 7: probe p's sign is +1), from
-    ``seed``: a counter-based hash (splitmix64's finalizer) of the position, so any window of the
-    bucket gets the same bits on every rank without a generator or a bucket-sized buffer.
-    """
-    x = positions + seed * 0x9E3779B9
-    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: wraps, as splitmix64 does
-    x = x ^ (x >> 30)
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    x = x ^ (x >> 27)
-    x = x * -7723592293110705685  # 0x94D049BB133111EB
-    return x ^ (x >> 31)
-
-
-def _segment_sums(values: torch.Tensor, offset: int, ends: torch.Tensor, probes: int, seed: int, with_norms=False):
-    """Per segment (``values`` split at the positions ``ends``; ``values`` sits at packed position
-    ``offset``): the dot with each probe's signs, ``[segments, probes]`` float64, and with
-    ``with_norms`` the L2 norms. By windows of WINDOW elements, so the scratch stays small; each
-    segment sums only its own elements (float64), so a small segment's error is its own.
-    """
-    device = values.device
-    fake = is_fake(values)  # fake tensors (the plan, the GPU simulation) have no values to look at
-    acc = torch.zeros(ends.numel(), probes + 1, dtype=torch.float64, device=device)
-    for a in range(0, values.numel(), WINDOW):
-        b = min(a + WINDOW, values.numel())
-        wide = values[a:b].to(torch.float64)
-        positions = torch.arange(a, b, dtype=torch.int64, device=device)
-        bits = _signs(positions + offset, seed)
-        first, last = (0, 1) if fake else torch.searchsorted(ends, positions[[0, -1]], right=True).tolist()
-        if first == last:  # the window lies in one segment (most of a large param): plain dot products
-            for p in range(probes):
-                signs = ((bits >> (p + 7)) & 1).to(torch.float64).mul_(2).sub_(1)
-                acc[first, p] += torch.dot(wide, signs)
-            acc[first, probes] += torch.dot(wide, wide)
-            continue
-        columns = [torch.where((bits >> (p + 7)) & 1 == 1, wide, -wide) for p in range(probes)] + [wide * wide]
-        acc.index_add_(0, torch.searchsorted(ends, positions, right=True), torch.stack(columns, dim=1))
-    return acc[:, :probes], (acc[:, probes].clamp(min=0).sqrt() if with_norms else None)
+def _shift(step: int, reduction: int) -> int:
+    """Where a reduction's signs start in the table: from the step and its place in it (a hash)."""
+    return (step * 1_000_003 + reduction * 7919 + 12345) % (2**31) * 40503 % PERIOD
