@@ -18,14 +18,17 @@ Example::
 # The step is exact: after the all-gather every rank holds bit-identical params, and a reduction
 # is a sum. Both can be checked exactly and cheaply.
 # - Replicas. On a verify step each rank hashes every parameter (trainable and frozen) and
-#   persistent buffer as the step's forward sees them: two wrapping int64 sums of its bit patterns,
+#   persistent buffer at the step, before the update, once every all-gather has landed ([Note:
+#   overlapped all-gather] in allgather.py): the values this step's forward read, or had to read if
+#   it read them at all. Two wrapping int64 sums of its bit patterns,
 #   of the words and of the words weighted by position (``checksums.tensor_hash``; small tensors are
 #   hashed with the others of their length at once). Any flipped bit changes the first; changes that
 #   cancel in it, or words swapped, change the second. The ranks
 #   compare the hashes; a parameter whose hash differs names the ranks that disagree with the
 #   majority (with two ranks, both).
 # - Reductions. For every bucket reduced on a verify step each rank takes, per destination rank
-#   and parameter (a segment), the dot products of its packed (pre-divided) gradients with P
+#   and parameter (a segment), the dot products of its packed gradients (divided by W, here or by the
+#   collective: [Note: the divide in the collective] in comm.py) with P
 #   vectors of random signs (+1/-1) that all ranks share, and their L2 norm; after the collective
 #   the owner takes the same dot products of its reduced rows ([Note: segment checksums] in
 #   checksums.py: how the signs are laid out and the dots computed). Summation is linear: the
@@ -196,30 +199,30 @@ class IntegrityChecker:
         return self._verifying
 
     def begin_step(self) -> None:
-        """The step's first backward (or first bucket): decide, and hash the params as its
-        forward saw them. Idempotent within a step.
+        """The step's first backward (or first bucket): decide whether it is a verify step.
+        Idempotent within a step.
         """
         if self._began:
             return
         self._began = True
         self._step_started = time.perf_counter()
         self._verifying = self.enabled and (self.step >= self._next or self.step in self._forced)
-        if self._verifying:
-            start = time.perf_counter()
-            self._hashes = self._replicas.compute()  # per device (a buffer may live elsewhere)
-            self._spent += time.perf_counter() - start
 
     # ------------------------------------------------------------------------ reductions
 
-    def after_pack(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        """A bucket packed (1D, rank-major, pre-divided), before its collective."""
+    def after_pack(self, bucket: Bucket, flat: torch.Tensor, divided: bool = True) -> None:
+        """A bucket packed (1D, rank-major), before its collective; ``divided``: by W already, or
+        (False) the collective divides ([Note: the divide in the collective] in ``comm.py``)."""
         self.begin_step()
         if self._verifying:
             start = time.perf_counter()
             checks = self._checks[bucket.index]
             shift = _shift(self.step, len(self._records))
             dots, norms = checks.local.sums(flat, self._signs, checks.judged.probes, shift, self._scratch)
-            record = _Record(bucket, torch.cat([dots.flatten(), norms]), shift)
+            local = torch.cat([dots.flatten(), norms])
+            if not divided:  # W is a power of two there: exact in float64, as the collective's scaling is
+                local.mul_(1.0 / self.world_size)
+            record = _Record(bucket, local, shift)
             self._records.append(record)
             self._pending[bucket.index] = record
             self._spent += time.perf_counter() - start
@@ -282,6 +285,8 @@ class IntegrityChecker:
             1D float64 on the device: per reduced bucket its dots per destination, param and probe
             and their norms; then per bucket the owner's dots; the hashes; its interval for "auto".
         """
+        if not self._hashes:
+            self._hashes = self._replicas.compute()  # per device (a buffer may live elsewhere)
         parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
         parts += [h.to(self.device).view(torch.float64).flatten() for h in self._hashes]
         parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]

@@ -436,7 +436,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """
         self._sync.check_finished("run backward")
         self._before_backward()
-        self.integrity.begin_step()  # [Note: integrity checks]: the params as this step's forward saw them
+        self.integrity.begin_step()  # [Note: integrity checks]: decides whether this step verifies
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale  # in fp32: a scaled fp16 loss would overflow
         self._sync.explicit = True
@@ -508,7 +508,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._sync.check_finished("step")
         self._guard.check()
         self._groups.check_sizes()
-        self.wait_for_params()  # a step without a forward since the last one: the masters are read
         with record_function("hf_lowzero::grad_norm"):
             reduced, verdict = self._norm_and_usage()
         if not math.isfinite(verdict.scaled_norm):
@@ -567,12 +566,15 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def _norm_and_usage(self) -> tuple[list[torch.Tensor | None], StepVerdict]:
         self._sync.flush_loose()  # [Note: one hook per bucket]: gradients no backward flushed
-        self.integrity.verify()  # raises IntegrityError on every rank, before anything is updated
+        self.wait_for_params()  # the gathers land before the replicas are hashed (and the masters change)
         if self._pending_norm is None or self._pending_norm[0] != self._sync.grad_version:
             reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
             self._close_stale_candidates()
             stale = self._stale_reads
-            verdict = self._stats.decide(reduced, self._sync.used, len(stale))  # [Note: one host sync per step]
+            table = self.integrity.verify_launch()  # a verify step's numbers ride along: [Note: one host sync per step]
+            verdict = self._stats.decide(reduced, self._sync.used, len(stale), extra=table)
+            if table is not None:  # raises IntegrityError on every rank, before anything is updated
+                self.integrity.verify_judge(verdict.extra.view(self.world_size, -1))
             if verdict.stale_reads:
                 raise RuntimeError(stale_read_message([self.slots[i].name for i in sorted(stale)], self.rank))
             self.last_grad_norm = verdict.scaled_norm / self.scaler.scale

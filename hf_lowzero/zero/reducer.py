@@ -89,7 +89,7 @@ class BucketReducer:
         with record_function("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, flat, self.world_size, self.pack_plans[bucket.index], grads, divide=not average)
         if self.integrity is not None:
-            self.integrity.after_pack(bucket, flat)
+            self.integrity.after_pack(bucket, flat, divided=not average)
         if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
             out = direct if direct is not None else take(bucket.row_numel)
             workspace = take(self.world_size * bucket.row_numel)
