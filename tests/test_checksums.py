@@ -234,6 +234,38 @@ def test_a_non_finite_local_gradient_is_named_by_rank_and_param():
     assert finding.nonfinite == [(1, LONG)] and finding.mismatches == []
 
 
+# ------------------------------------------------------------------------- the verify split
+
+
+def _split_body(rank, world_size):
+    from hf_lowzero import LowLevelZeroOptimizer
+
+    torch.manual_seed(0)  # the same params on every rank
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    opt = LowLevelZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, verify_every=2)
+    checker = opt.integrity
+    for step in range(1, 4):
+        opt.backward(model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))).square().mean())
+        table = checker.verify_launch()
+        if step == 2:  # verify steps are 1 and 3
+            assert table is None and checker.verify() is None
+        else:
+            assert table.shape[0] == world_size and checker.verify_launch() is table  # launched once
+            with pytest.raises(ValueError, match="verify_launch"):  # the norm appended by mistake
+                checker.verify_judge(torch.cat([table.flatten(), torch.ones(1, dtype=table.dtype)]).view(1, -1))
+            finding = checker.verify_judge(table.cpu())  # the step's one copy to the host
+            assert finding.mismatches == [] and checker.verify() is finding and checker.verify_launch() is None
+        opt.step()
+        opt.zero_grad()
+    assert (checker.checks, checker.failures, checker.last_verified) == (2, 0, 3)
+
+
+def test_verify_splits_into_a_launch_on_the_device_and_a_judgement_on_the_host():
+    from hf_lowzero.testing import run_distributed
+
+    run_distributed(_split_body, 2)
+
+
 # ----------------------------------------------------------------------- replica hashes
 
 

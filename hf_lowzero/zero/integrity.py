@@ -301,9 +301,17 @@ class IntegrityChecker:
 
         Raises:
             IntegrityError: A replica or reduction check failed (on every rank at once).
+            ValueError: ``table`` is not shaped as ``verify_launch``'s tensor.
         """
         if not self._verifying or self._finding is not None:
             return self._finding
+        numbers = sum(r.local.numel() + (0 if r.own is None else r.own.numel()) for r in self._records)
+        expected = (self.world_size, numbers + 2 * len(self._replicas.names) + 1)
+        if tuple(table.shape) != expected:
+            raise ValueError(
+                f"verify_judge expects verify_launch()'s table on the host, of shape {expected}; got "
+                f"{tuple(table.shape)}: pass it as it came (after .cpu()), with nothing appended"
+            )
         start = time.perf_counter()
         # A simulation on fake tensors (hf_lowzero.simulation) runs the checks' work and collective;
         # there is no data to judge.
