@@ -59,8 +59,32 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs, backend: str = "gl
     os._exit(0)
 
 
+# [Note: ranks from a fork server]
+# A spawned rank starts a fresh interpreter and imports torch, transformers' models and the test
+# module again: 5 to 8 s per rank on the 2-core machine, most of a small distributed test's time. On
+# CPU (gloo) the ranks come from a fork server instead: one clean process, started at the first call,
+# that imports PRELOAD once and forks a rank per request, so a rank starts with those imports done.
+# Not a fork of the caller: a test process that ran torch ops holds an OpenMP thread team, and a
+# child forked from it can deadlock in its first parallel kernel (seen: a forked rank hung in
+# layer_norm). The server runs no torch op, and its children start as a spawned rank would, from
+# a clean state (no random state or module attribute of the caller's). NCCL ranks are spawned (CUDA
+# does not survive a fork), and so is everything where the platform has no fork server.
+PRELOAD = ["torch", "torch.distributed", "hf_lowzero"]
+
+
+def preload(*modules: str) -> None:
+    """Modules the fork server imports once, for every rank it forks ([Note: ranks from a fork
+    server]); call before the first ``run_distributed``."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
 def run_distributed(fn, world_size: int, backend: str = "gloo", **kwargs) -> None:
-    """Spawn ``world_size`` ranks running ``fn(rank, world_size, **kwargs)``; re-raise any failure.
+    """Start ``world_size`` ranks running ``fn(rank, world_size, **kwargs)``; re-raise any failure.
     ``backend="nccl"`` (one GPU per rank) leaves the current CUDA device alone: ``fn`` places its
-    tensors."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, kwargs, backend), nprocs=world_size, join=True)
+    tensors. On CPU the ranks come from a fork server ([Note: ranks from a fork server]).
+    """
+    method = "forkserver" if backend == "gloo" and "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload(PRELOAD)
+    args = (world_size, free_port(), fn, kwargs, backend)
+    mp.start_processes(_entry, args=args, nprocs=world_size, join=True, start_method=method)

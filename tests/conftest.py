@@ -5,6 +5,11 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_lowzero.recipes.clm import DEFAULT_CORPUS
+from hf_lowzero.testing import preload
+
+# What most ranks of the distributed tests import: once, in the fork server ([Note: ranks from a fork
+# server] in hf_lowzero/testing.py), not in every rank.
+preload("transformers", "hf_lowzero.trainer", "tests.models", "tests.hf_models", "tests.trainer_runs")
 
 
 @pytest.fixture
