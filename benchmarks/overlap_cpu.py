@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,16 +97,18 @@ def main() -> None:
     if a.before:
         before = str(work / "before")
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", before, a.before], check=True)
+        # Its library, today's benchmarks: without this folder ``benchmarks`` resolves to today's.
+        shutil.rmtree(Path(before) / "benchmarks")
         codes = {"before": (before, ["ddp_fused", "zero2"]), **codes}
     runs: dict[str, list[dict]] = {name: [] for name in codes}
     try:
         for pair in range(a.pairs):
             for name, (code, variants) in codes.items():
                 spec = json.dumps({"code": code, "variants": variants, "rounds": a.rounds})
-                out = subprocess.run(
-                    [sys.executable, __file__, "--one-run", spec], check=True, capture_output=True, text=True
-                ).stdout
-                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+                done = subprocess.run([sys.executable, __file__, "--one-run", spec], capture_output=True, text=True)
+                if done.returncode != 0:
+                    sys.exit(f"the run of {name} ({code}) failed:\n{done.stderr[-4000:]}")
+                runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
                 print(f"pair {pair + 1}/{a.pairs}, {name}: {runs[name][-1]}", flush=True)
     finally:
         if a.before:
