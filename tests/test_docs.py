@@ -216,3 +216,17 @@ def test_the_docstring_check_covers_every_public_module():
     run = (ROOT / ".ci/run").read_text()
     checked = set(re.findall(r"^\s+(hf_lowzero/\S+\.py)", run.split("--select D", 1)[1].split("mkdocs", 1)[0], re.M))
     assert public <= checked, f"add to .ci/run's docstring check: {sorted(public - checked)}"
+
+
+def test_no_markup_shows_through_on_any_page(tmp_path):
+    """Every page of the built site, as a browser shows its text: no literal code fence, ``**``, table
+    rule or HTML comment (``tools/check_docs_rendered.py`` does the same in a real browser, with
+    screenshots and the pictures drawn)."""
+    from tools.check_docs_rendered import problems
+
+    subprocess.run(["mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path)], cwd=ROOT, check=True)
+    pages = [p for p in tmp_path.glob("**/index.html") if "results" not in p.relative_to(tmp_path).parts]
+    assert len(pages) > 15
+    found = {str(p.relative_to(tmp_path)): [f for f in problems(p.read_text()) if "not drawn" not in f] for p in pages}
+    assert {page: f for page, f in found.items() if f} == {}
+    assert problems("<p>the default 2**16 overflows</p>") != []  # it sees what it looks for
