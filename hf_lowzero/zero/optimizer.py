@@ -362,7 +362,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     @property
     def gathers_in_flight(self) -> list[int]:
         """The buckets whose all-gathers are still in flight after the step, in the order they were
-        issued (the next forward's): empty once every param is current."""
+        issued (the next forward's): empty once every param is current.
+        """
         return list(self._gather.pending)
 
     def wait_for_params(self) -> None:
@@ -585,7 +586,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Once per backward, before a bucket can launch: the wrap guard, and the params whose
         gathers are still pending: their modules' forward never ran, so a gradient for one of them
         means the forward read it before it landed ([Note: overlapped all-gather]). They land at the
-        step, after backward (landing now would change tensors autograd saved)."""
+        step, after backward (landing now would change tensors autograd saved).
+        """
         self._guard.check()
         self._close_stale_candidates()
         self._stale_candidates = self._gather.stale_slots()
