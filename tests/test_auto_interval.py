@@ -1,12 +1,14 @@
 """The shared scheduler of "auto" intervals (hf_lowzero/zero/auto_interval.py): the interval it
 proposes against the budget's formula, the ranks' agreement, the steps it makes due, the settings it
-accepts."""
+accepts; and the two budgets that use it, snapshots' and integrity checks'."""
 
 import math
 
 import pytest
 
+from hf_lowzero.ray.snapshot_plan import SNAPSHOTS, check_every
 from hf_lowzero.zero.auto_interval import AUTO, AutoInterval, Budget, Median, Smoothed
+from hf_lowzero.zero.config import VERIFY, check_verify_every
 
 
 def _budget(**changes) -> Budget:
@@ -122,3 +124,29 @@ def test_a_budget_is_checked():
         _budget(overhead=1.5)
     with pytest.raises(ValueError, match=r"Budget.max_interval=0 is invalid"):
         _budget(max_interval=0)
+
+
+def test_snapshots_and_checks_share_the_code_with_their_own_budgets():
+    assert (SNAPSHOTS.overhead, SNAPSHOTS.max_interval) == (0.02, 10_000)
+    assert (VERIFY.overhead, VERIFY.max_interval) == (0.01, 1000)
+    for budget in (SNAPSHOTS, VERIFY):
+        schedule = AutoInterval("auto", budget)
+        schedule.add_step(0.1)
+        schedule.add_cost(0.0123)
+        assert schedule.proposed_interval() == math.ceil(0.0123 / (budget.overhead * 0.1))
+    assert check_every("off") is None and check_every(None) is None and check_every("4") == 4
+    assert check_verify_every("OFF") == "off" and check_verify_every(" auto ") == "auto" and check_verify_every(9) == 9
+    with pytest.raises(ValueError, match=r"snapshot_every=0 is invalid.*within 2% .* or None \(no memory snapshots\)"):
+        check_every(0)
+    with pytest.raises(ValueError, match=r"verify_every=None is invalid.*the checks within 1% .* or 'off'"):
+        check_verify_every(None)
+
+
+def test_verify_budget_smooths_step_times_and_takes_each_steps_own_cost():
+    schedule = AutoInterval("auto", VERIFY)
+    for seconds in (0.2, 0.1, 0.1):
+        schedule.add_step(seconds)
+    assert schedule.step_s == pytest.approx(0.8 * (0.8 * 0.2 + 0.2 * 0.1) + 0.2 * 0.1)
+    schedule.add_cost(0.5)
+    schedule.add_cost(0.003)
+    assert schedule.cost_s == 0.003
