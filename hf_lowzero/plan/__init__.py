@@ -9,8 +9,11 @@ Example::
 or ``python -m hf_lowzero.plan --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
 """
 
-from hf_lowzero.plan.planner import MemoryPlan, PlanRow, format_bytes, parse_bytes, plan_memory
-from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
+from hf_lowzero.plan.planner import plan_memory
+from hf_lowzero.plan.report import MemoryPlan, PlanRow, format_bytes
+from hf_lowzero.plan.request import parse_bytes
+from hf_lowzero.plan.simulate import simulate_step
+from hf_lowzero.plan.step_records import PARTS, Setup, StepMemory, TrainingSpec
 
 __all__ = [
     "PARTS",

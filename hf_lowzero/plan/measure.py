@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_lowzero.plan.models import ModelSpec
-from hf_lowzero.plan.simulate import Setup, StepMemory, TrainingSpec, simulate_step
+from hf_lowzero.plan.simulate import simulate_step
+from hf_lowzero.plan.step_records import Setup, StepMemory, TrainingSpec
 from hf_lowzero.testing import run_distributed
 
 

@@ -26,149 +26,30 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch.distributed as dist
 
 from hf_lowzero.plan.models import ModelSpec
+from hf_lowzero.plan.recommend import plan_row, recommend
+
+# PlanRow, format_bytes, render and parse_bytes are re-exported: callers import them from here.
+from hf_lowzero.plan.report import MemoryPlan
+from hf_lowzero.plan.report import PlanRow as PlanRow
+from hf_lowzero.plan.report import format_bytes as format_bytes
+from hf_lowzero.plan.report import render as render
 from hf_lowzero.plan.request import RESERVE, PlanRequest
-from hf_lowzero.plan.request import parse_bytes as parse_bytes  # re-exported: callers import it from here
-from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
+from hf_lowzero.plan.request import parse_bytes as parse_bytes
+from hf_lowzero.plan.simulate import simulate_step
+from hf_lowzero.plan.step_records import Setup, StepMemory, TrainingSpec
 from hf_lowzero.simulation.launch import FakeCudaUnavailable, call_on_fake_gpus, fake_cuda_here
 
 logger = logging.getLogger(__name__)
 
 SETUPS = (Setup(0), Setup(1), Setup(1, True), Setup(2), Setup(2, True))
-
-
-def format_bytes(nbytes: float) -> str:
-    """A byte count for people: in the largest binary unit it reaches, with two decimals.
-
-    Example::
-
-        >>> format_bytes(85899345920), format_bytes(512)
-        ('80.00 GiB', '512 B')
-
-    Args:
-        nbytes: The number of bytes (may be negative: a shortfall).
-
-    Returns:
-        The size in TiB, GiB, MiB or KiB, or in whole bytes below 1 KiB.
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-@dataclass
-class PlanRow:
-    """One setup's memory on the busiest rank (see the module docstring). Bytes throughout.
-
-    Args:
-        stage: The ZeRO stage (0: DDP).
-        offload: Whether the optimizer is offloaded to host memory.
-        label: The setup's name in the table, such as ``"stage 2 + offload"``.
-        partition: How ZeRO owns optimizer state for this optimizer: ``"rows"``, ``"params"``, ``"-"`` for DDP.
-        peak_bytes: The simulated peak of device memory in one step.
-        host_bytes: The host memory one rank holds (with offload).
-        breakdown: The peak split into model states and residual states, by part (``simulate.PARTS``).
-        model_state_bytes: The ZeRO paper's model states at the peak.
-        sent_bytes_per_step: The bytes one rank sends in one optimizer step.
-        fits: Whether the peak fits the usable device memory (and, if checked, the host memory).
-        headroom_bytes: Usable device memory minus the peak (negative: the shortfall).
-        max_batch_size: The largest per-device batch whose peak fits; 0: not even one sample.
-    """
-
-    stage: int
-    offload: bool
-    label: str
-    partition: str  # how ZeRO owns optimizer state for this optimizer: "rows", "params", "-" for DDP
-    peak_bytes: int
-    host_bytes: int
-    breakdown: dict[str, int]
-    model_state_bytes: int
-    sent_bytes_per_step: int
-    fits: bool
-    headroom_bytes: int
-    max_batch_size: int  # largest per-device batch whose peak fits; 0: not even one sample
-
-
-@dataclass
-class MemoryPlan:
-    """A plan: ``rows`` (one ``PlanRow`` per setup), ``recommended`` (one of them, or None when
-    nothing fits) and ``reason`` (why, or what would fit).
-
-    Args:
-        model: The model's name.
-        total_params: The model's number of params.
-        trainable_params: The number of them that are trained.
-        world_size: The planned number of data-parallel ranks.
-        device_memory: Bytes of memory per device.
-        usable_memory: The part of ``device_memory`` a step's peak may take (less the reserve).
-        host_memory: Host memory per node in bytes, or None (offload unchecked).
-        ranks_per_node: The ranks that share a node's host memory.
-        batch_size: The planned per-device batch.
-        seq_len: Tokens per sample.
-        training: What was planned for: optimizer, dtype, accumulation, gradient checkpointing, master dtype.
-        rows: One row per setup.
-        recommended: The recommended row, or None when nothing fits.
-        reason: Why that row, or what would fit.
-        checked_batch: The setup and batch the largest batch was checked at by a simulation of its own.
-        simulated_on: ``"cuda"`` (fake GPUs, the GPU code paths) or ``"cpu"`` (fake CPU tensors).
-    """
-
-    model: str
-    total_params: int
-    trainable_params: int
-    world_size: int
-    device_memory: int
-    usable_memory: int
-    host_memory: int | None
-    ranks_per_node: int
-    batch_size: int
-    seq_len: int
-    training: dict[str, Any]
-    rows: list[PlanRow]
-    recommended: PlanRow | None
-    reason: str
-    checked_batch: dict[str, int] = field(default_factory=dict)
-    simulated_on: str = "cpu"  # "cuda": fake GPUs, the GPU code paths ([Note: planning on fake GPUs])
-
-    def row(self, stage: int, offload: bool = False) -> PlanRow:
-        """The row of one setup.
-
-        Args:
-            stage: The ZeRO stage (0: DDP).
-            offload: Whether with optimizer offload (stages 1 and 2 only).
-
-        Returns:
-            The setup's row.
-
-        Raises:
-            StopIteration: The plan has no such setup (stage 0 with offload).
-        """
-        return next(r for r in self.rows if r.stage == stage and r.offload == offload)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as plain dicts and lists (rows included), for JSON.
-
-        Returns:
-            The plan's fields by name.
-        """
-        return asdict(self)
-
-    def to_text(self) -> str:
-        """The plan as a table and the recommendation, for a console (see :func:`render`).
-
-        Returns:
-            The text, lines separated by newlines.
-        """
-        return render(self)
 
 
 def plan_memory(
@@ -278,7 +159,7 @@ def plan_memory(
         for zero in (False, True)
     }
     host_per_rank = request.host_memory // request.ranks_per_node if request.host_memory is not None else None
-    rows = [_row(setup, steps[setup], usable, host_per_rank, batch, slopes[setup.stage > 0]) for setup in SETUPS]
+    rows = [plan_row(setup, steps[setup], usable, host_per_rank, batch, slopes[setup.stage > 0]) for setup in SETUPS]
     counts = _param_counts(spec)
     plan = MemoryPlan(
         model=spec.name,
@@ -297,7 +178,7 @@ def plan_memory(
         reason="",
         simulated_on=steps[Setup(2)].device,
     )
-    _recommend(plan)
+    recommend(plan)
     if plan.recommended is not None and plan.recommended.max_batch_size != batch:
         # [Note: largest batch]: check the extrapolated batch with a simulation of its own
         best = plan.recommended
@@ -305,7 +186,7 @@ def plan_memory(
         while best.max_batch_size > 0 and simulate(setup, best.max_batch_size).peak > usable:
             best.max_batch_size -= 1
         plan.checked_batch = {"setup": best.label, "batch_size": best.max_batch_size}
-        _recommend(plan)  # the reason names the checked batch
+        recommend(plan)  # the reason names the checked batch
     return plan
 
 
@@ -318,76 +199,6 @@ def _busiest_rank(simulate, setup: Setup, batch: int) -> StepMemory:
         return step
     busiest = max(range(len(step.owned_numel)), key=lambda r: step.owned_numel[r])
     return step if busiest == step.rank else simulate(setup, batch, busiest)
-
-
-def _row(setup: Setup, step: StepMemory, usable: int, host: int | None, batch: int, slope: int) -> PlanRow:
-    """``host``: the host memory one rank may use (its share of the node's), or None (unchecked)."""
-    fits_host = host is None or step.host <= host
-    room = usable - step.peak
-    max_batch = max(0, batch + math.floor(room / slope)) if fits_host else 0
-    return PlanRow(
-        stage=setup.stage,
-        offload=setup.offload,
-        label=setup.label,
-        partition=step.partition,
-        peak_bytes=step.peak,
-        host_bytes=step.host,
-        breakdown=dict(step.breakdown),
-        model_state_bytes=step.model_states,
-        sent_bytes_per_step=step.sent_bytes,
-        fits=room >= 0 and fits_host,
-        headroom_bytes=room,
-        max_batch_size=max_batch,
-    )
-
-
-def _recommend(plan: MemoryPlan) -> None:
-    fitting = [r for r in plan.rows if r.fits]
-    if fitting:
-        best = min(fitting, key=lambda r: (r.offload, r.sent_bytes_per_step, r.peak_bytes, r.stage))
-        plan.recommended = best
-        others = [r for r in fitting if r is not best]
-        why = [f"{best.label} fits with {format_bytes(best.headroom_bytes)} to spare"]
-        if best.offload:
-            why.append("no setup fits without optimizer offload")
-        if others:
-            cheaper = [
-                r for r in others if (r.offload, r.sent_bytes_per_step) == (best.offload, best.sent_bytes_per_step)
-            ]
-            if cheaper:
-                names = ", ".join(r.label for r in cheaper)
-                why.append(f"it sends as few bytes per step as {names} and holds no more")
-            else:
-                why.append("it sends the fewest bytes per step of the setups that fit")
-        why.append(f"per-device batch up to {best.max_batch_size}")
-        plan.reason = "; ".join(why)
-        return
-    plan.recommended = None
-    batches = [r for r in plan.rows if r.max_batch_size >= 1]
-    if batches:
-        best = max(batches, key=lambda r: (r.max_batch_size, not r.offload))
-        plan.reason = (
-            f"nothing fits at per_device_train_batch_size={plan.batch_size}: the largest batch that fits is "
-            f"{best.max_batch_size} with {best.label} (use gradient_accumulation_steps to keep the global batch)"
-        )
-        return
-    least = min(plan.rows, key=lambda r: r.peak_bytes)
-    weights = min(r.breakdown["params"] + r.breakdown["frozen"] for r in plan.rows)
-    if weights > plan.usable_memory:
-        fix = (
-            f"the model's weights alone take {format_bytes(weights)} per device, and ZeRO stages 1 and 2 keep every "
-            "weight on every device: this needs the weights sharded too (ZeRO-3, FSDP), a quantized base with a "
-            "LoRA adapter, or devices with more memory"
-        )
-    else:
-        fix = (
-            "use more devices (stages 1 and 2 shard masters and optimizer state over them), gradient checkpointing, "
-            "a LoRA adapter, bf16 masters (zero_config master_dtype), or devices with more memory"
-        )
-    plan.reason = (
-        f"nothing fits even at one sample per device: the smallest peak is {format_bytes(least.peak_bytes)} "
-        f"({least.label}) against {format_bytes(plan.usable_memory)} usable; {fix}"
-    )
 
 
 def _param_counts(spec: ModelSpec) -> tuple[int, int]:
@@ -415,59 +226,3 @@ def _default_args():
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=os.devnull, report_to=[], use_cpu=True)
-
-
-def _count(n: int) -> str:
-    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:,.1f}{suffix}"
-    return str(n)
-
-
-def render(plan: MemoryPlan) -> str:
-    """The plan as a table and the recommendation, for a console.
-
-    Args:
-        plan: The plan.
-
-    Returns:
-        The text, lines separated by newlines.
-    """
-    t = plan.training
-    lines = [
-        f"Memory plan: {plan.model}, {_count(plan.total_params)} params ({_count(plan.trainable_params)} "
-        f"trainable); {t['optimizer']} ({t['optim']}), {t['dtype']}, per-device batch {plan.batch_size} x "
-        f"{plan.seq_len} tokens, gradient accumulation {t['gradient_accumulation_steps']}, gradient checkpointing "
-        f"{'on' if t['gradient_checkpointing'] else 'off'}",
-        f"World size {plan.world_size}, {format_bytes(plan.device_memory)} per device; fits = peak <= "
-        f"{format_bytes(plan.usable_memory)} ({1 - plan.usable_memory / plan.device_memory:.0%} kept for the CUDA "
-        "context and fragmentation); simulated on "
-        + ("fake CUDA devices (the GPU code paths)" if plan.simulated_on == "cuda" else "fake CPU tensors"),
-        "",
-    ]
-    header = ["setup", "peak/device", *PARTS, "host/rank", "sent/step", "fits", "headroom", "max batch"]
-    table = [header]
-    for r in plan.rows:
-        table.append(
-            [
-                r.label + (f" [{r.partition}]" if r.partition == "params" else ""),
-                format_bytes(r.peak_bytes),
-                *(format_bytes(r.breakdown[p]) for p in PARTS),
-                format_bytes(r.host_bytes) if r.offload else "-",
-                format_bytes(r.sent_bytes_per_step),
-                "yes" if r.fits else "no",
-                format_bytes(r.headroom_bytes),
-                str(r.max_batch_size),
-            ]
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        lines.append(
-            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        )
-    lines.append("")
-    choice = plan.recommended
-    lines.append(
-        f"Recommended: {choice.label} ({plan.reason})" if choice is not None else f"Nothing fits: {plan.reason}"
-    )
-    return "\n".join(lines)

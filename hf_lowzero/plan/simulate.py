@@ -51,116 +51,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_lowzero.plan.fake_world import step_world
 from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.state_probe import StateProbe, runs_under_fake_tensors
+from hf_lowzero.plan.step_records import PARTS, Setup, SimulatedStep, StepMemory, TrainingSpec
 from hf_lowzero.plan.tracker import PeakTracker, storage_bytes
 from hf_lowzero.zero import comm
-from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.inner import choose_partition
-
-PARTS = ("params", "gradients", "master", "optimizer_state", "frozen", "activations", "buffers")
-
-
-@dataclass(frozen=True)
-class Setup:
-    """A way to run data-parallel training: ZeRO stage 0 (plain DDP), 1 or 2, with or without
-    optimizer offload (stages 1 and 2 only)."""
-
-    stage: int
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        if self.stage == 0 and self.offload:
-            raise ValueError("optimizer offload needs ZeRO stage 1 or 2 (plain DDP keeps its optimizer on the device)")
-
-    @property
-    def label(self) -> str:
-        name = "stage 0 (DDP)" if self.stage == 0 else f"stage {self.stage}"
-        return name + (" + offload" if self.offload else "")
-
-
-@dataclass
-class TrainingSpec:
-    """What of the Trainer's arguments decides memory: precision, optimizer, micro-batches, gradient
-    checkpointing and the ZeRO knobs."""
-
-    dtype: torch.dtype  # the training precision: params' dtype under ZeRO, autocast's under stage 0
-    optimizer_cls: type
-    optimizer_kwargs: dict[str, Any]
-    optim_name: str = "adamw_torch"
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
-    checkpointing_kwargs: dict | None = None
-    zero: dict[str, Any] = field(default_factory=dict)  # ZeroConfig fields other than stage and offload
-
-    @classmethod
-    def from_args(cls, args) -> TrainingSpec:
-        """From ``TrainingArguments`` (any subclass; the ``zero_*`` fields when it has them)."""
-        from transformers import Trainer
-
-        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
-        dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-        zero: dict[str, Any] = {"clip_grad_norm": float(args.max_grad_norm or 0.0)}
-        if hasattr(args, "to_zero_config"):
-            config = args.to_zero_config(stage=2)
-            zero = {
-                name: getattr(config, name)
-                for name in ZeroConfig.__dataclass_fields__
-                if name not in ("stage", "offload_optimizer", "process_group")
-            }
-        return cls(
-            dtype=dtype,
-            optimizer_cls=optimizer_cls,
-            optimizer_kwargs=kwargs,
-            optim_name=str(getattr(args.optim, "value", args.optim)),
-            batch_size=int(args.per_device_train_batch_size),
-            gradient_accumulation_steps=int(args.gradient_accumulation_steps),
-            gradient_checkpointing=bool(args.gradient_checkpointing),
-            checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            zero=zero,
-        )
-
-    def zero_config(self, setup: Setup, process_group=None) -> ZeroConfig:
-        partition = choose_partition(
-            self.optimizer_cls, self.zero.get("partition", "auto"), self.zero.get("allow_untested_optimizer", False)
-        )
-        # A step without integrity checks: their scratch is bounded and small ([Note: what the
-        # simulation leaves out]), and a plan's steps are not checked against anything.
-        fields = self.zero | {"partition": partition, "verify_every": "off"}
-        return ZeroConfig(**fields, stage=setup.stage, offload_optimizer=setup.offload, process_group=process_group)
-
-
-@dataclass
-class StepMemory:
-    """What one rank holds over one training step.
-
-    ``peak`` is the device's peak (host-resident parts excluded); ``breakdown`` splits it into
-    ``PARTS`` (``gradients`` as held at the peak, ``activations`` what the forward and backward
-    held besides: activations, temporaries, gradients in flight). ``model_states`` is the ZeRO
-    paper's model states (params, gradients, master, optimizer state; frozen params included)
-    wherever they live; ``host`` what sits in host memory (offload).
-    """
-
-    peak: int
-    host: int
-    breakdown: dict[str, int]
-    model_states: int
-    sent_bytes: int
-    partition: str
-    rank: int
-    owned_numel: list[int] = field(default_factory=list)  # per rank, with whole-param ownership
-    # a real step on a GPU: torch.cuda.max_memory_allocated over it, less what the device held before
-    # the run began ([Note: the run's own memory])
-    allocator_peak: int | None = None
-    device: str = "cpu"  # where the step ran: "cuda" (a fake GPU on fake tensors) or "cpu"
 
 
 def simulate_step(
@@ -189,58 +90,36 @@ def simulate_step(
         # None gradients: neither changes what is counted
         warnings.simplefilter("ignore", UserWarning)
         if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            from hf_lowzero.simulation.attention import gpu_attention
             from hf_lowzero.simulation.launch import fake_cuda_here
 
-            if backend == "nccl" and fake_cuda_here():
-                with _fake_gpu_world(world_size, rank) as device, FakeTensorMode(), gpu_attention():
-                    return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, device)
-            if backend == "nccl":
+            on_fake_gpu = backend == "nccl" and fake_cuda_here()
+            if backend == "nccl" and not on_fake_gpu:
                 spec = spec.as_on_gpu()  # [Note: attention on the GPU]
-            with _fake_world(world_size, rank), comm.fake_group_stands_for(backend), FakeTensorMode():
-                return _run(spec, training, setup, world_size, batch_size, seq_len, rank, True, ref_model, None)
-        if not dist.is_initialized() or dist.get_world_size() != world_size:
-            raise RuntimeError(f"a real step of world size {world_size} needs a default process group of that size")
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        rank = dist.get_rank()
-        return _run(spec, training, setup, world_size, batch_size, seq_len, rank, False, ref_model, device)
-
-
-@contextlib.contextmanager
-def _fake_gpu_world(world_size: int, rank: int):
-    """A simulated NCCL group and fake streams for a step on the fake ``cuda:0``: streams and
-    events order nothing here (the plan counts memory; ``hf_lowzero.simulation`` checks order)."""
-    from hf_lowzero.simulation.nccl import simulated_world
-    from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
-    from hf_lowzero.zero import device as dev
-
-    device = torch.device("cuda", 0)
-    checker = AccessChecker()
-    ops = FakeCudaOps(checker)
-    with simulated_world(world_size, rank, device, checker, ops), dev.use_ops(ops), ops.on_device(device):
-        yield device
-
-
-@contextlib.contextmanager
-def _fake_world(world_size: int, rank: int):
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a memory plan simulates its ranks on a fake process group and needs a process without one; "
-            "plan before torch.distributed is initialized, or in a separate process"
+            device = torch.device("cuda", 0) if on_fake_gpu else None
+        else:
+            if not dist.is_initialized() or dist.get_world_size() != world_size:
+                raise RuntimeError(f"a real step of world size {world_size} needs a default process group of that size")
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            rank = dist.get_rank()
+        simulated = SimulatedStep(
+            spec=spec,
+            training=training,
+            setup=setup,
+            world_size=world_size,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            rank=rank,
+            fake=fake,
+            ref_model=ref_model,
+            device=device,
+            backend=backend,
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+        with step_world(simulated):
+            return _run(simulated)
 
 
-def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref_model, device) -> StepMemory:
-    """``device``: the GPU the step runs on (a fake one on fake tensors), or None on the CPU.
+def _run(simulated: SimulatedStep) -> StepMemory:
+    """One step as ``simulated`` describes it, in the world ``step_world`` made for it.
 
     [Note: the run's own memory] A real run on a GPU reports the allocator's peak less what the
     device held when it began: the caller's tensors, and what earlier runs left. They leave their
@@ -252,6 +131,8 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     third counting 130 and 225 MiB that the runs before them left, while the tracked peak of each
     was within 0.6% of the plan. Counted from the run's start it is 0.92, 1.00 and 1.01.
     """
+    spec, training, setup, world_size = simulated.spec, simulated.training, simulated.setup, simulated.world_size
+    fake, device = simulated.fake, simulated.device
     zero_on = setup.stage > 0
     if device is not None and not fake:
         torch.cuda.synchronize(device)
@@ -262,7 +143,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     # tensors refuse once the tracker holds weak references to them), then counted from the start.
     with torch.device(device) if device is not None and not fake else contextlib.nullcontext():
         model = spec.build(param_dtype, training.gradient_checkpointing, training.checkpointing_kwargs, device)
-        reference = _frozen_copy(spec, param_dtype, device) if ref_model else None
+        reference = _frozen_copy(spec, param_dtype, device) if simulated.ref_model else None
     tracker = PeakTracker()
     tracker.track_external(*(m for m in (model, reference) if m is not None))
     with tracker:
@@ -288,7 +169,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
                 runner = nn.parallel.DistributedDataParallel(model)
             elif world_size > 1:
                 ddp_buckets = storage_bytes(trainable)  # [Note: what the simulation leaves out]
-        batch = spec.batch(batch_size, seq_len, device or "cpu")
+        batch = spec.batch(simulated.batch_size, simulated.seq_len, device or "cpu")
         step = _Step(setup, training, runner, opt, inner, device)
         step.warm_up(fake, batch, reference)  # [Note: steady state]
         tracker.reset_peak()
@@ -344,7 +225,7 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
         model_states=params + frozen + full_gradients + master + state,
         sent_bytes=int(sent),
         partition=partition,
-        rank=rank,
+        rank=simulated.rank,
         owned_numel=_owned_numel(opt, world_size) if partition == "params" else [],
         allocator_peak=allocator_peak,
         device=device.type if device is not None else "cpu",

@@ -24,10 +24,11 @@ Example::
 # the background work slows them; on a GPU node it mostly does not), but no more than the time the
 # background work ran (the holders, the copy to the buddy node, and on a GPU node the writer
 # thread: one chain, each part waiting for the one before): on a noisy machine a slow step during a snapshot is not all
-# the snapshot's doing. The interval is
-# ceil(cost / (2% of a step)), at least 1, re-decided at every later snapshot from the median cost
-# of the last 20 (one slow snapshot does not stretch the interval); ranks take the largest rank's
-# choice, so that every rank snapshots the same steps. One more bound: a snapshot older than the
+# the snapshot's doing. The interval is the shared scheduler's ([Note: the auto interval's budget] in
+# zero/auto_interval.py, with the SNAPSHOTS budget): ceil(cost / (2% of a step)), at least 1,
+# re-decided at every later snapshot from the median cost of the last 20 (one slow snapshot does not
+# stretch the interval); ranks take the largest rank's choice, so that every rank snapshots the
+# same steps. One more bound: a snapshot older than the
 # newest storage checkpoint is never used, so auto takes one at least every half of the Trainer's
 # ``save_steps`` (a failure loses at most half the steps between two storage checkpoints), even
 # when that costs more than 2%: on a tiny model whose steps take a few ms, as in the main job
@@ -38,15 +39,22 @@ Example::
 
 from __future__ import annotations
 
-import math
-import statistics
+from hf_lowzero.zero.auto_interval import AutoInterval, Budget, Median
 
-AUTO = "auto"
-OFF = ("off", "none")
 AUTO_OVERHEAD = 0.02
 WARMUP = 5
 PROBE_GAP = 2
 MAX_INTERVAL = 10_000
+SNAPSHOTS = Budget(
+    setting="snapshot_every",
+    work="snapshots",
+    overhead=AUTO_OVERHEAD,
+    max_interval=MAX_INTERVAL,
+    off=(None, "off", "none"),
+    off_text="None (no memory snapshots)",
+    step_time=lambda: Median(50),  # steps with no snapshot work in flight
+    cost=lambda: Median(20),
+)
 
 
 def buddy_nodes(node_of_rank: list[str]) -> list[str | None]:
@@ -63,40 +71,26 @@ def buddy_nodes(node_of_rank: list[str]) -> list[str | None]:
 def check_every(every: int | str | None) -> int | str | None:
     """``snapshot_every`` validated: None (or ``"off"``: no snapshots), a positive int (or its digits),
     or ``"auto"``."""
-    if isinstance(every, str) and every.lower() in OFF:
-        return None
-    if every is None or every == AUTO:
-        return every
-    if isinstance(every, str) and every.isdigit():
-        every = int(every)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"snapshot_every={every!r} is invalid; expected a number of steps >= 1, 'auto' (the interval that "
-            f"keeps snapshots within {AUTO_OVERHEAD:.0%} of training time) or None (no memory snapshots)"
-        )
-    return every
+    return SNAPSHOTS.check(every)
 
 
-class SnapshotSchedule:
-    """When to take snapshots: every ``every`` steps, or on the [Note: auto interval] policy."""
+class SnapshotSchedule(AutoInterval):
+    """When to take snapshots: every ``every`` steps, or on the [Note: auto interval] policy (the
+    shared scheduler's [Note: the auto interval's budget] with ``SNAPSHOTS``, after a warm-up and a probe)."""
 
     def __init__(self, every: int | str) -> None:
-        self.every = check_every(every)
+        super().__init__(every, SNAPSHOTS)
         if self.every is None:
             raise ValueError("SnapshotSchedule needs an interval; None means no snapshots")
-        self.auto = self.every == AUTO
         self.interval = PROBE_GAP if self.auto else self.every
-        self._next = WARMUP + 1 if self.auto else self.every
+        self.next_step = WARMUP + 1 if self.auto else self.every
         self.probe_step = WARMUP + 1 + PROBE_GAP  # auto: the first snapshot whose cost counts
         self._decided = not self.auto
         self._uncounted = 1 if self.auto else 0  # the warm-up snapshot's cost
-        self.cap = MAX_INTERVAL  # auto: at most half the storage checkpoints' interval (start())
-        self._quiet_steps: list[float] = []  # step times with no snapshot work in flight
-        self._costs: list[float] = []
 
     def due(self, step: int) -> bool:
         if self.auto:
-            return step >= self._next
+            return super().due(step)
         return step % self.every == 0
 
     def start(self, origin: int, storage_every: int | None = None) -> None:
@@ -105,9 +99,9 @@ class SnapshotSchedule:
         ``storage_every`` (the Trainer's ``save_steps``), auto takes a snapshot at least every half
         of it ([Note: auto interval])."""
         if storage_every is not None and storage_every >= 2:
-            self.cap = storage_every // 2
+            self.cap = storage_every // 2  # the Budget's MAX_INTERVAL until then
         if self.auto:
-            self._next, self.probe_step = origin + WARMUP + 1, origin + WARMUP + 1 + PROBE_GAP
+            self.next_step, self.probe_step = origin + WARMUP + 1, origin + WARMUP + 1 + PROBE_GAP
 
     @property
     def settled(self) -> bool:
@@ -122,17 +116,12 @@ class SnapshotSchedule:
         """Every rank agreed on ``interval``, counted from the probe."""
         self._decided = True
         self.interval = interval
-        self._next = max(self.probe_step + interval, self.probe_step + 2)
+        self.next_step = max(self.probe_step + interval, self.probe_step + 2)
 
     def observe_step(self, seconds: float, busy: bool) -> None:
         """One step's wall time (the copy excluded); ``busy``: a snapshot was encoded or sent meanwhile."""
         if not busy:
-            self._quiet_steps.append(seconds)
-
-    @property
-    def step_s(self) -> float | None:
-        """The median step time without snapshot work, or None before any."""
-        return statistics.median(self._quiet_steps[-50:]) if self._quiet_steps else None
+            self.add_step(seconds)
 
     def observe_snapshot(self, stopped_s: float, busy_step_s: list[float], background_s: float | None = None):
         """A finished snapshot: seconds the loop stopped for it, the times of the steps that ran
@@ -147,32 +136,16 @@ class SnapshotSchedule:
         excess = max(0.0, sum(s - base for s in busy_step_s))
         if background_s is not None:
             excess = min(excess, background_s)
-        self._costs.append(stopped_s + excess)
-
-    @property
-    def cost_s(self) -> float | None:
-        """The measured cost of a snapshot (the median of the last 20), or None before the first finished."""
-        return statistics.median(self._costs[-20:]) if self._costs else None
+        self.add_cost(stopped_s + excess)
 
     def proposed_interval(self) -> int:
         """This rank's interval ([Note: auto interval]): the fixed one, or the one its measurements give."""
-        if not self.auto:
-            return self.every
-        if not self._decided and self.cost_s is None:
+        if self.auto and not self._decided and self.cost_s is None:
             return PROBE_GAP  # the warm-up snapshot's next is the probe; the probe's waits for the decision
-        if self.cost_s is None or not self.step_s:
-            return self.interval
-        return max(1, min(self.cap, math.ceil(self.cost_s / (AUTO_OVERHEAD * self.step_s))))
+        return super().proposed_interval()
 
     def taken(self, step: int, interval: int) -> None:
         """A snapshot was taken at ``step``; every rank agreed on ``interval`` for the next."""
-        self.interval = interval
-        self._next = step + interval
+        super().taken(step, interval)
         if not self._decided and step >= self.probe_step:
-            self._next = self.probe_step + 2  # the decision comes first
-
-    def overhead(self) -> float | None:
-        """The share of training time snapshots are expected to cost at the current interval."""
-        if self.cost_s is None or not self.step_s:
-            return None
-        return self.cost_s / (self.interval * self.step_s)
+            self.next_step = self.probe_step + 2  # the decision comes first

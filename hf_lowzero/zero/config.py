@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hf_lowzero.zero.auto_interval import Budget, Median, Smoothed
+
 _DTYPE_NAMES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -84,6 +86,16 @@ MASTER_ROUNDINGS = ("stochastic", "nearest")  # ZeroConfig.master_rounding: see 
 VERIFY_OFF, VERIFY_AUTO = "off", "auto"  # ZeroConfig.verify_every besides an interval
 ON_MISMATCH = ("raise", "rollback")
 AUTO_OVERHEAD = 0.01  # verify_every="auto" keeps the checks within this fraction of the step time
+VERIFY = Budget(  # verify_every's: [Note: the auto interval's budget] in auto_interval.py
+    setting="verify_every",
+    work="the checks",
+    overhead=AUTO_OVERHEAD,
+    max_interval=1000,
+    off=(VERIFY_OFF,),
+    off_text=f"{VERIFY_OFF!r}",
+    step_time=lambda: Smoothed(0.2),
+    cost=Median,  # each verify step's own
+)
 
 
 def check_verify_every(value: object) -> int | str:
@@ -98,16 +110,8 @@ def check_verify_every(value: object) -> int | str:
     Raises:
         ValueError: ``value`` is none of those.
     """
-    if isinstance(value, str) and value.strip().lower() in (VERIFY_OFF, VERIFY_AUTO):
-        return value.strip().lower()
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"verify_every={value!r} is invalid; expected a number of steps (>= 1), 'auto' (the interval that "
-            f"keeps the checks within {AUTO_OVERHEAD:.0%} of step time) or 'off'"
-        )
-    return value
+    every = VERIFY.check(value)
+    return VERIFY_OFF if every is None else every
 
 
 @dataclass(kw_only=True)

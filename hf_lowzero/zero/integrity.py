@@ -60,7 +60,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -68,6 +67,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from hf_lowzero.zero import comm, faults
+from hf_lowzero.zero.auto_interval import AutoInterval
 from hf_lowzero.zero.buckets import Bucket
 from hf_lowzero.zero.checksums import (
     PERIOD,
@@ -78,10 +78,9 @@ from hf_lowzero.zero.checksums import (
     bucket_plans,
     sign_table,
 )
-from hf_lowzero.zero.config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
+from hf_lowzero.zero.config import VERIFY, VERIFY_AUTO, VERIFY_OFF, check_verify_every
 from hf_lowzero.zero.verdict import Finding, Judged, judge, summary
 
-MAX_INTERVAL = 1000
 SIGMAS = 8.0  # [Note: integrity checks]: the bound's standard deviations
 
 
@@ -151,7 +150,7 @@ class IntegrityChecker:
         self.every = check_verify_every(every)
         self.on_mismatch = on_mismatch
         self.enabled = self.every != VERIFY_OFF and world_size > 1
-        self.interval = self.every if isinstance(self.every, int) else 1
+        self.schedule = AutoInterval(self.every, VERIFY)  # "auto": within VERIFY's budget
         self.step = 1  # the step being taken (the Trainer sets its own numbering)
         self.last_verified = 0  # the newest step whose checks all passed
         self.checks = 0
@@ -160,7 +159,6 @@ class IntegrityChecker:
         self.bytes_gathered = 0
         self.tensors = tensors
         self._forced: set[int] = set()
-        self._next = 1  # the next step to verify
         self._verifying = False
         self._began = False
         self._hashes: list[torch.Tensor] = []
@@ -169,7 +167,6 @@ class IntegrityChecker:
         self._gathered: torch.Tensor | None = None
         self._spent = 0.0  # seconds of checks in this step
         self._step_started: float | None = None
-        self._step_seconds: float | None = None
         self._finding: Finding | None = None
         self.last_nonfinite: list[tuple[int, str]] = []  # (rank, parameter) of the newest verify step
         if self.enabled:  # everything the hooks need, made here: they read nothing back from the device
@@ -194,6 +191,11 @@ class IntegrityChecker:
         self._forced.add(step)
 
     @property
+    def interval(self) -> int:
+        """The steps between verify steps (for "auto", the ranks' latest agreement)."""
+        return self.schedule.interval
+
+    @property
     def verifying(self) -> bool:
         """This step is a verify step (checks on and due)."""
         return self._verifying
@@ -206,7 +208,7 @@ class IntegrityChecker:
             return
         self._began = True
         self._step_started = time.perf_counter()
-        self._verifying = self.enabled and (self.step >= self._next or self.step in self._forced)
+        self._verifying = self.enabled and (self.schedule.due(self.step) or self.step in self._forced)
 
     # ------------------------------------------------------------------------ reductions
 
@@ -290,7 +292,8 @@ class IntegrityChecker:
             self._hashes = self._replicas.compute()  # per device (a buffer may live elsewhere)
         parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
         parts += [h.to(self.device).view(torch.float64).flatten() for h in self._hashes]
-        parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]
+        self.schedule.add_cost(self._spent)
+        parts += [torch.full((1,), float(self.schedule.proposed_interval()), dtype=torch.float64, device=self.device)]
         return torch.cat(parts)
 
     def verify_judge(self, table: torch.Tensor) -> Finding | None:
@@ -325,9 +328,8 @@ class IntegrityChecker:
         self.checks += 1
         self._spent += time.perf_counter() - start
         self.verify_seconds += self._spent
-        if self.every == VERIFY_AUTO and not fake:
-            self.interval = int(min(MAX_INTERVAL, max(1, table[:, -1].max().item())))
-        self._next = self.step + self.interval
+        auto = self.every == VERIFY_AUTO and not fake
+        self.schedule.taken(self.step, self.schedule.agreed(table[:, -1].tolist()) if auto else self.interval)
         if finding.mismatches:
             self.failures += 1
             raise IntegrityError(
@@ -341,20 +343,13 @@ class IntegrityChecker:
             self.last_verified = self.step
         return finding
 
-    def _proposal(self) -> int:
-        """This rank's interval for "auto": checks within AUTO_OVERHEAD of the step time."""
-        if self.every != VERIFY_AUTO or not self._step_seconds:
-            return self.interval
-        return math.ceil(self._spent / (AUTO_OVERHEAD * self._step_seconds))
-
     def end_step(self, skipped_nonfinite: bool) -> None:
         """After the step (applied or skipped). A skip that no check attributed makes the next
         step a verify step, so a recurring non-finite gradient gets its rank and parameter named.
         """
         now = time.perf_counter()
         if self._step_started is not None:
-            seconds = now - self._step_started - self._spent
-            self._step_seconds = seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
+            self.schedule.add_step(now - self._step_started - self._spent)
         if skipped_nonfinite and not self._verifying and self.enabled:
             self._forced.add(self.step + 1)
         self._forced.discard(self.step)

@@ -1,0 +1,197 @@
+"""A memory plan as data (``MemoryPlan``, a ``PlanRow`` per setup) and as text (``render``).
+
+Example::
+
+    plan = plan_memory("path/to/model", args, world_size=8, device_memory="80GiB")
+    print(plan.to_text())                     # render(plan): the table and the recommendation
+    plan.row(2, offload=True).headroom_bytes, format_bytes(plan.usable_memory)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hf_lowzero.plan.step_records import PARTS
+
+
+def format_bytes(nbytes: float) -> str:
+    """A byte count for people: in the largest binary unit it reaches, with two decimals.
+
+    Example::
+
+        >>> format_bytes(85899345920), format_bytes(512)
+        ('80.00 GiB', '512 B')
+
+    Args:
+        nbytes: The number of bytes (may be negative: a shortfall).
+
+    Returns:
+        The size in TiB, GiB, MiB or KiB, or in whole bytes below 1 KiB.
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass
+class PlanRow:
+    """One setup's memory on the busiest rank (see the module docstring). Bytes throughout.
+
+    Args:
+        stage: The ZeRO stage (0: DDP).
+        offload: Whether the optimizer is offloaded to host memory.
+        label: The setup's name in the table, such as ``"stage 2 + offload"``.
+        partition: How ZeRO owns optimizer state for this optimizer: ``"rows"``, ``"params"``, ``"-"`` for DDP.
+        peak_bytes: The simulated peak of device memory in one step.
+        host_bytes: The host memory one rank holds (with offload).
+        breakdown: The peak split into model states and residual states, by part (``step_records.PARTS``).
+        model_state_bytes: The ZeRO paper's model states at the peak.
+        sent_bytes_per_step: The bytes one rank sends in one optimizer step.
+        fits: Whether the peak fits the usable device memory (and, if checked, the host memory).
+        headroom_bytes: Usable device memory minus the peak (negative: the shortfall).
+        max_batch_size: The largest per-device batch whose peak fits; 0: not even one sample.
+    """
+
+    stage: int
+    offload: bool
+    label: str
+    partition: str  # how ZeRO owns optimizer state for this optimizer: "rows", "params", "-" for DDP
+    peak_bytes: int
+    host_bytes: int
+    breakdown: dict[str, int]
+    model_state_bytes: int
+    sent_bytes_per_step: int
+    fits: bool
+    headroom_bytes: int
+    max_batch_size: int  # largest per-device batch whose peak fits; 0: not even one sample
+
+
+@dataclass
+class MemoryPlan:
+    """A plan: ``rows`` (one ``PlanRow`` per setup), ``recommended`` (one of them, or None when
+    nothing fits) and ``reason`` (why, or what would fit).
+
+    Args:
+        model: The model's name.
+        total_params: The model's number of params.
+        trainable_params: The number of them that are trained.
+        world_size: The planned number of data-parallel ranks.
+        device_memory: Bytes of memory per device.
+        usable_memory: The part of ``device_memory`` a step's peak may take (less the reserve).
+        host_memory: Host memory per node in bytes, or None (offload unchecked).
+        ranks_per_node: The ranks that share a node's host memory.
+        batch_size: The planned per-device batch.
+        seq_len: Tokens per sample.
+        training: What was planned for: optimizer, dtype, accumulation, gradient checkpointing, master dtype.
+        rows: One row per setup.
+        recommended: The recommended row, or None when nothing fits.
+        reason: Why that row, or what would fit.
+        checked_batch: The setup and batch the largest batch was checked at by a simulation of its own.
+        simulated_on: ``"cuda"`` (fake GPUs, the GPU code paths) or ``"cpu"`` (fake CPU tensors).
+    """
+
+    model: str
+    total_params: int
+    trainable_params: int
+    world_size: int
+    device_memory: int
+    usable_memory: int
+    host_memory: int | None
+    ranks_per_node: int
+    batch_size: int
+    seq_len: int
+    training: dict[str, Any]
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    reason: str
+    checked_batch: dict[str, int] = field(default_factory=dict)
+    simulated_on: str = "cpu"  # "cuda": fake GPUs, the GPU code paths ([Note: planning on fake GPUs])
+
+    def row(self, stage: int, offload: bool = False) -> PlanRow:
+        """The row of one setup.
+
+        Args:
+            stage: The ZeRO stage (0: DDP).
+            offload: Whether with optimizer offload (stages 1 and 2 only).
+
+        Returns:
+            The setup's row.
+
+        Raises:
+            StopIteration: The plan has no such setup (stage 0 with offload).
+        """
+        return next(r for r in self.rows if r.stage == stage and r.offload == offload)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain dicts and lists (rows included), for JSON.
+
+        Returns:
+            The plan's fields by name.
+        """
+        return asdict(self)
+
+    def to_text(self) -> str:
+        """The plan as a table and the recommendation, for a console (see :func:`render`).
+
+        Returns:
+            The text, lines separated by newlines.
+        """
+        return render(self)
+
+
+def _count(n: int) -> str:
+    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f}{suffix}"
+    return str(n)
+
+
+def render(plan: MemoryPlan) -> str:
+    """The plan as a table and the recommendation, for a console.
+
+    Args:
+        plan: The plan.
+
+    Returns:
+        The text, lines separated by newlines.
+    """
+    t = plan.training
+    lines = [
+        f"Memory plan: {plan.model}, {_count(plan.total_params)} params ({_count(plan.trainable_params)} "
+        f"trainable); {t['optimizer']} ({t['optim']}), {t['dtype']}, per-device batch {plan.batch_size} x "
+        f"{plan.seq_len} tokens, gradient accumulation {t['gradient_accumulation_steps']}, gradient checkpointing "
+        f"{'on' if t['gradient_checkpointing'] else 'off'}",
+        f"World size {plan.world_size}, {format_bytes(plan.device_memory)} per device; fits = peak <= "
+        f"{format_bytes(plan.usable_memory)} ({1 - plan.usable_memory / plan.device_memory:.0%} kept for the CUDA "
+        "context and fragmentation); simulated on "
+        + ("fake CUDA devices (the GPU code paths)" if plan.simulated_on == "cuda" else "fake CPU tensors"),
+        "",
+    ]
+    header = ["setup", "peak/device", *PARTS, "host/rank", "sent/step", "fits", "headroom", "max batch"]
+    table = [header]
+    for r in plan.rows:
+        table.append(
+            [
+                r.label + (f" [{r.partition}]" if r.partition == "params" else ""),
+                format_bytes(r.peak_bytes),
+                *(format_bytes(r.breakdown[p]) for p in PARTS),
+                format_bytes(r.host_bytes) if r.offload else "-",
+                format_bytes(r.sent_bytes_per_step),
+                "yes" if r.fits else "no",
+                format_bytes(r.headroom_bytes),
+                str(r.max_batch_size),
+            ]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        lines.append(
+            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        )
+    lines.append("")
+    choice = plan.recommended
+    lines.append(
+        f"Recommended: {choice.label} ({plan.reason})" if choice is not None else f"Nothing fits: {plan.reason}"
+    )
+    return "\n".join(lines)
