@@ -11,7 +11,9 @@ Example (inside a Ray Train training function)::
 # [Note: rollback]
 # A failed check raises ``IntegrityError`` on every rank before the step's update, so no checkpoint
 # or snapshot holds that state. Every rank's node is then recorded in the run's storage folder
-# (``hf_lowzero_integrity/``), and the error ends the attempt. With ``on_mismatch="rollback"`` Ray
+# (``hf_lowzero_integrity/``), and the error ends the attempt. With ``on_mismatch="rollback"`` the
+# first rank's one console line says so, and Ray prints no traceback ([Note: designed events] in
+# ``events.py``); Ray
 # restarts the worker group and ``resume_checkpoint()`` takes the newest memory snapshot taken at
 # a verified step (snapshots of steps whose checks did not pass are never restored, and with
 # rollback memory snapshots request a check of every step they are taken at: [Note: verified
@@ -36,6 +38,7 @@ import ray
 import ray.train
 import torch.distributed as dist
 
+from hf_lowzero.ray.events import designed
 from hf_lowzero.zero.integrity import IntegrityError
 
 FAILURES_DIR = "hf_lowzero_integrity"
@@ -111,7 +114,7 @@ def _after_failure(trainer, error: IntegrityError, nodes: list[str]) -> Integrit
             else "stopping (on_mismatch='raise')"
         )
         logger.error("[hf_lowzero] %s; %s", error, then)
-    return error
+    return designed(error) if rollback else error  # [Note: designed events] in events.py
 
 
 def _refuse_excluded_nodes(nodes: list[str]) -> None:
