@@ -107,7 +107,7 @@ def _assert_matches(name: str, output: str) -> None:
 
 def test_every_transcript_is_compared():
     names = {b.directive.split()[1] for b in TRANSCRIPTS}
-    compared = {"integrity-alarm", "main-job", "failure-from-memory", "plan"}
+    compared = {"integrity-alarm", "main-job", "failure-from-memory", "rollback", "plan"}
     assert names <= compared, f"transcripts no test compares: {names - compared}"
 
 
@@ -179,6 +179,18 @@ def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(main_job, tmp
     _assert_matches("failure-from-memory", failed)
     assert "resumed from memory" in failed
     final = [re.search(r"final loss\s+(\S+)", out).group(1) for out in (main_job, failed)]
+    assert final[0] == final[1], final
+
+
+@pytest.mark.slow
+def test_a_rollback_is_one_line_per_event_as_the_integrity_guide_shows(main_job, tmp_path):
+    """The rollback demo (about 90 s here: the slow tier): its event lines are the guide's, no rank
+    prints a traceback, and it ends with the loss of the run without the fault."""
+    flags = _commands(_transcripts("rollback")[0])[0].split("ray_jobs/finetune.py", 1)[1].split()
+    rolled = _job("--name", "rolled", *flags, storage=tmp_path)
+    _assert_matches("rollback", rolled)
+    assert "Traceback" not in rolled and "Error in training function" not in rolled, rolled[-5000:]
+    final = [re.search(r"final loss\s+(\S+)", out).group(1) for out in (main_job, rolled)]
     assert final[0] == final[1], final
 
 

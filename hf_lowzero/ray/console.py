@@ -32,6 +32,8 @@ Example::
 # - transformers' "mtime may not be reliable on this filesystem": the Trainer sorts its local
 #   checkpoints by mtime, finds two saved within a second (a tiny model) and rightly falls back to
 #   step numbers. That one notice is filtered out on the workers.
+# - Tracebacks of errors that end an attempt by design (a rollback, a peer killed on purpose), and the
+#   controller's after a dead worker: [Note: designed events] in ``hf_lowzero/ray/events.py``.
 # Left as is: the driver's one-line "Token authentication is enabled for this Ray cluster" notice.
 # ``RAY_AUTH_MODE=token`` would silence it, but Ray caches the mode when it is imported, so setting it
 # in the driver (after ``import ray``) leaves it without a token for a GCS that demands one.
