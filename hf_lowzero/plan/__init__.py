@@ -7,13 +7,17 @@ Example::
     print(plan.to_text())
 
 or ``python -m hf_lowzero.plan --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
+Without a device size: ``plan_devices`` (every setup's peak and the smallest common device it fits).
 """
 
+from hf_lowzero.plan.devices import COMMON_DEVICES, DeviceFits, plan_devices, smallest_device
 from hf_lowzero.plan.planner import MemoryPlan, PlanRow, format_bytes, parse_bytes, plan_memory
 from hf_lowzero.plan.simulate import PARTS, Setup, StepMemory, TrainingSpec, simulate_step
 
 __all__ = [
+    "COMMON_DEVICES",
     "PARTS",
+    "DeviceFits",
     "MemoryPlan",
     "PlanRow",
     "Setup",
@@ -21,6 +25,8 @@ __all__ = [
     "TrainingSpec",
     "format_bytes",
     "parse_bytes",
+    "plan_devices",
     "plan_memory",
     "simulate_step",
+    "smallest_device",
 ]
