@@ -107,7 +107,7 @@ def _assert_matches(name: str, output: str) -> None:
 
 def test_every_transcript_is_compared():
     names = {b.directive.split()[1] for b in TRANSCRIPTS}
-    compared = {"integrity-alarm", "main-job", "failure-from-memory", "rollback", "plan"}
+    compared = {"integrity-alarm", "main-job", "failure-from-memory", "rollback", "plan", "plan-devices"}
     assert names <= compared, f"transcripts no test compares: {names - compared}"
 
 
@@ -206,6 +206,24 @@ def test_the_plans_table(tmp_path):
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_matches("plan", done.stdout)
+
+
+@pytest.mark.slow
+def test_the_plan_without_a_device_size(tmp_path, capsys, monkeypatch):
+    """The guide's command without --device-memory, on a machine without a GPU (on one with a GPU the
+    command plans for it: only the size query is left out here)."""
+    from transformers import GPT2Config
+
+    from hf_lowzero.plan import devices
+    from hf_lowzero.plan.__main__ import main as plan_main
+
+    GPT2Config().save_pretrained(tmp_path / "gpt2-124m")
+    (block,) = [b for b in SHELL if b.directive.endswith("test_the_plan_without_a_device_size")]
+    (command,) = _commands(block)
+    command = command.replace("path/to/model_or_config.json", str(tmp_path / "gpt2-124m" / "config.json"))
+    monkeypatch.setattr(devices, "this_gpu", lambda: None)
+    assert plan_main(shlex.split(command)[3:]) == 0
+    _assert_matches("plan-devices", capsys.readouterr().out)
 
 
 def test_the_docstring_check_covers_every_public_module():
