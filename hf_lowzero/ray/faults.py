@@ -33,7 +33,9 @@ class InjectWorkerFailure(TrainerCallback):
     right after ``ray.train.report`` returned, with its upload still in flight ([Note: asynchronous
     upload]): its report never reaches the controller, and its files in storage are usually cut
     short (the upload thread can win the race with the kill); at any other step, at the end of the
-    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's.
+    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's. The
+    console gets one line for it, and no traceback for the error the kill costs the other ranks
+    ([Note: designed events] in ``events.py``).
 
     ``during="snapshot"`` kills it instead while the memory snapshot of ``step`` is being taken: after
     its pieces landed on the holders and before it marked them, so that snapshot is torn (never
@@ -93,8 +95,8 @@ class InjectWorkerFailure(TrainerCallback):
 
 
 def failure_line(rank: int, step: int) -> str:
-    """The console line of an injected failure ([Note: designed events] in ``events.py``): the raylet's
-    report of the dead worker, which Ray prints whatever we do, follows it.
+    """The console line of an injected failure ([Note: designed events] in ``events.py``). It names the
+    raylet's report of the dead worker, which Ray prints whatever we do, just before or after it.
 
     Example::
 
