@@ -107,7 +107,7 @@ def _assert_matches(name: str, output: str) -> None:
 
 def test_every_transcript_is_compared():
     names = {b.directive.split()[1] for b in TRANSCRIPTS}
-    compared = {"integrity-alarm", "main-job", "failure-from-memory", "plan"}
+    compared = {"integrity-alarm", "main-job", "failure-from-memory", "rollback", "plan", "plan-devices"}
     assert names <= compared, f"transcripts no test compares: {names - compared}"
 
 
@@ -183,6 +183,18 @@ def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(main_job, tmp
 
 
 @pytest.mark.slow
+def test_a_rollback_is_one_line_per_event_as_the_integrity_guide_shows(main_job, tmp_path):
+    """The rollback demo (about 90 s here: the slow tier): its event lines are the guide's, no rank
+    prints a traceback, and it ends with the loss of the run without the fault."""
+    flags = _commands(_transcripts("rollback")[0])[0].split("ray_jobs/finetune.py", 1)[1].split()
+    rolled = _job("--name", "rolled", *flags, storage=tmp_path)
+    _assert_matches("rollback", rolled)
+    assert "Traceback" not in rolled and "Error in training function" not in rolled, rolled[-5000:]
+    final = [re.search(r"final loss\s+(\S+)", out).group(1) for out in (main_job, rolled)]
+    assert final[0] == final[1], final
+
+
+@pytest.mark.slow
 def test_the_plans_table(tmp_path):
     from transformers import GPT2Config
 
@@ -194,6 +206,24 @@ def test_the_plans_table(tmp_path):
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_matches("plan", done.stdout)
+
+
+@pytest.mark.slow
+def test_the_plan_without_a_device_size(tmp_path, capsys, monkeypatch):
+    """The guide's command without --device-memory, on a machine without a GPU (on one with a GPU the
+    command plans for it: only the size query is left out here)."""
+    from transformers import GPT2Config
+
+    from hf_lowzero.plan import devices
+    from hf_lowzero.plan.__main__ import main as plan_main
+
+    GPT2Config().save_pretrained(tmp_path / "gpt2-124m")
+    (block,) = [b for b in SHELL if b.directive.endswith("test_the_plan_without_a_device_size")]
+    (command,) = _commands(block)
+    command = command.replace("path/to/model_or_config.json", str(tmp_path / "gpt2-124m" / "config.json"))
+    monkeypatch.setattr(devices, "this_gpu", lambda: None)
+    assert plan_main(shlex.split(command)[3:]) == 0
+    _assert_matches("plan-devices", capsys.readouterr().out)
 
 
 def test_the_docstring_check_covers_every_public_module():

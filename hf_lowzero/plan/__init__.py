@@ -7,8 +7,10 @@ Example::
     print(plan.to_text())
 
 or ``python -m hf_lowzero.plan --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
+Without a device size: ``plan_devices`` (every setup's peak and the smallest common device it fits).
 """
 
+from hf_lowzero.plan.devices import COMMON_DEVICES, DeviceFits, plan_devices, smallest_device
 from hf_lowzero.plan.planner import plan_memory
 from hf_lowzero.plan.report import MemoryPlan, PlanRow, format_bytes
 from hf_lowzero.plan.request import parse_bytes
@@ -16,7 +18,9 @@ from hf_lowzero.plan.simulate import simulate_step
 from hf_lowzero.plan.step_records import PARTS, Setup, StepMemory, TrainingSpec
 
 __all__ = [
+    "COMMON_DEVICES",
     "PARTS",
+    "DeviceFits",
     "MemoryPlan",
     "PlanRow",
     "Setup",
@@ -24,6 +28,8 @@ __all__ = [
     "TrainingSpec",
     "format_bytes",
     "parse_bytes",
+    "plan_devices",
     "plan_memory",
     "simulate_step",
+    "smallest_device",
 ]

@@ -6,7 +6,9 @@ Example::
         --seq-len 2048 --bf16 --per_device_train_batch_size 4 --optim adamw_torch_fused [--lora-r 16]
 
 Flags after the plan's own are ``TrainingArguments`` flags (``LowZeroTrainingArguments``: the
-``--zero_*`` knobs too), exactly as the training script takes them.
+``--zero_*`` knobs too), exactly as the training script takes them. Without ``--device-memory`` it
+plans for this machine's GPU, or without one prints every setup's peak and the smallest common
+device it fits (``devices.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         "or from the Hub when online)",
     )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs) in all")
-    parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory per device, e.g. 80GiB or 40GB (default: this machine's GPU; without one, every setup's peak "
+        "and the smallest of 16, 24, 40, 48, 80 and 141 GiB it fits)",
+    )
     parser.add_argument("--host-memory", default=None, help="host memory available per node, to check offload against")
     parser.add_argument(
         "--ranks-per-node", type=int, default=None, help="ranks sharing a node's host memory (default: min(world, 8))"
@@ -54,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import HfArgumentParser
 
-    from hf_lowzero.plan.planner import plan_memory
+    from hf_lowzero.plan.devices import plan_devices, this_gpu
+    from hf_lowzero.plan.planner import format_bytes, plan_memory
     from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
 
     if not any(a.startswith("--output_dir") for a in rest):
@@ -67,21 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         return 2
     targets = own.lora_targets.split(",") if own.lora_targets else None
-    try:
-        plan = plan_memory(
-            own.model,
-            args,
-            world_size=own.world_size,
-            device_memory=own.device_memory,
-            seq_len=own.seq_len,
-            host_memory=own.host_memory,
-            ranks_per_node=own.ranks_per_node,
-            lora_r=own.lora_r,
-            lora_targets=targets,
-            ref_model=own.ref_model,
-            reserve=own.reserve,
-            backend=own.backend,
+    options = dict(
+        world_size=own.world_size,
+        seq_len=own.seq_len,
+        host_memory=own.host_memory,
+        ranks_per_node=own.ranks_per_node,
+        lora_r=own.lora_r,
+        lora_targets=targets,
+        ref_model=own.ref_model,
+        reserve=own.reserve,
+        backend=own.backend,
+    )
+    device_memory = own.device_memory
+    gpu = this_gpu() if device_memory is None else None
+    if gpu is not None:
+        name, device_memory = gpu
+        print(
+            f"Planning for this machine's GPU 0, {name} ({format_bytes(device_memory)}); --device-memory SIZE "
+            "plans another size\n"
         )
+    try:
+        if device_memory is None:
+            plan = plan_devices(own.model, args, **options)
+        else:
+            plan = plan_memory(own.model, args, device_memory=device_memory, **options)
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))  # argparse's one line and exit status 2, as for a flag it parses itself
     print(plan.to_text())
@@ -92,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
         text = json.dumps(plan.to_dict(), indent=2)
         atomic_write(Path(own.json), lambda tmp: Path(tmp).write_text(text))
-    return 0 if plan.recommended is not None else 1
+    fits = plan.fits_any if device_memory is None else plan.recommended is not None
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ def format_bytes(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
+SIMULATED_ON = {"cuda": "fake CUDA devices (the GPU code paths)", "cpu": "fake CPU tensors"}  # MemoryPlan.simulated_on
+
+
 @dataclass
 class PlanRow:
     """One setup's memory on the busiest rank (see the module docstring). Bytes throughout.
@@ -157,16 +160,11 @@ def render(plan: MemoryPlan) -> str:
     Returns:
         The text, lines separated by newlines.
     """
-    t = plan.training
     lines = [
-        f"Memory plan: {plan.model}, {_count(plan.total_params)} params ({_count(plan.trainable_params)} "
-        f"trainable); {t['optimizer']} ({t['optim']}), {t['dtype']}, per-device batch {plan.batch_size} x "
-        f"{plan.seq_len} tokens, gradient accumulation {t['gradient_accumulation_steps']}, gradient checkpointing "
-        f"{'on' if t['gradient_checkpointing'] else 'off'}",
+        headline(plan),
         f"World size {plan.world_size}, {format_bytes(plan.device_memory)} per device; fits = peak <= "
         f"{format_bytes(plan.usable_memory)} ({1 - plan.usable_memory / plan.device_memory:.0%} kept for the CUDA "
-        "context and fragmentation); simulated on "
-        + ("fake CUDA devices (the GPU code paths)" if plan.simulated_on == "cuda" else "fake CPU tensors"),
+        f"context and fragmentation); simulated on {SIMULATED_ON[plan.simulated_on]}",
         "",
     ]
     header = ["setup", "peak/device", *PARTS, "host/rank", "sent/step", "fits", "headroom", "max batch"]
@@ -184,14 +182,27 @@ def render(plan: MemoryPlan) -> str:
                 str(r.max_batch_size),
             ]
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        lines.append(
-            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        )
+    lines += format_table(table)
     lines.append("")
     choice = plan.recommended
     lines.append(
         f"Recommended: {choice.label} ({plan.reason})" if choice is not None else f"Nothing fits: {plan.reason}"
     )
     return "\n".join(lines)
+
+
+def headline(plan: MemoryPlan) -> str:
+    """The plan's first line: the model and the training it plans for."""
+    t = plan.training
+    return (
+        f"Memory plan: {plan.model}, {_count(plan.total_params)} params ({_count(plan.trainable_params)} "
+        f"trainable); {t['optimizer']} ({t['optim']}), {t['dtype']}, per-device batch {plan.batch_size} x "
+        f"{plan.seq_len} tokens, gradient accumulation {t['gradient_accumulation_steps']}, gradient checkpointing "
+        f"{'on' if t['gradient_checkpointing'] else 'off'}"
+    )
+
+
+def format_table(table: list[list[str]]) -> list[str]:
+    """A header and rows of cells as aligned lines: the first column to the left, the others to the right."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]

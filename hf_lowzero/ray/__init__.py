@@ -11,15 +11,16 @@ Your own model and data, on every worker of a ``ray.train.torch.TorchTrainer``::
 
 ``accumulation_for_global_batch`` keeps the global batch across elastic resizes, ``ConsoleProgress``
 prints one line per step, ``InjectWorkerFailure`` kills a worker once (demos and tests),
-``merge_run_config`` and ``ReleaseSnapshots`` build the ``RunConfig``. The causal-LM fine-tune job
-built from these pieces, ``run_finetune(RayFinetuneConfig(...))`` (``ray_jobs/finetune.py``), is
-``hf_lowzero.recipes.clm_ray``; its names here are deprecated aliases.
+``merge_run_config``, ``ReleaseSnapshots`` and ``ConsoleEvents`` build the ``RunConfig``. The
+causal-LM fine-tune job built from these pieces, ``run_finetune(RayFinetuneConfig(...))``
+(``ray_jobs/finetune.py``), is ``hf_lowzero.recipes.clm_ray``; its names here are deprecated aliases.
 """
 
 import warnings
 
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
+from hf_lowzero.ray.events import ConsoleEvents
 from hf_lowzero.ray.faults import InjectWorkerFailure
 from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
@@ -28,6 +29,7 @@ from hf_lowzero.ray.run_config import merge_run_config
 from hf_lowzero.ray.snapshots import MemorySnapshots
 
 __all__ = [
+    "ConsoleEvents",
     "ConsoleProgress",
     "InjectWorkerFailure",
     "MemorySnapshots",

@@ -32,6 +32,8 @@ Example::
 # - transformers' "mtime may not be reliable on this filesystem": the Trainer sorts its local
 #   checkpoints by mtime, finds two saved within a second (a tiny model) and rightly falls back to
 #   step numbers. That one notice is filtered out on the workers.
+# - Tracebacks of errors that end an attempt by design (a rollback, a peer killed on purpose), and the
+#   controller's after a dead worker: [Note: designed events] in ``hf_lowzero/ray/events.py``.
 # Left as is: the driver's one-line "Token authentication is enabled for this Ray cluster" notice.
 # ``RAY_AUTH_MODE=token`` would silence it, but Ray caches the mode when it is imported, so setting it
 # in the driver (after ``import ray``) leaves it without a token for a GCS that demands one.
@@ -46,6 +48,8 @@ import logging
 import torch
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
+
+from hf_lowzero.ray.restore import last_resume
 
 BAR_WIDTH = 20
 
@@ -75,13 +79,15 @@ class ConsoleProgress(TrainerCallback):
         self.attempt = attempt
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Log on the first rank what this attempt does: train from the start, or resume at which step, on
-        how many workers and at which ZeRO stage; with optimizer offload also the host threads per worker.
+        """Log on the first rank what this attempt does: train from the start, or resume at which step
+        (from memory or storage, when ``resume_checkpoint()`` chose), on how many workers and at which
+        ZeRO stage; with optimizer offload also the host threads per worker. A restart's one line
+        ([Note: designed events] in ``events.py``).
         """
         if not state.is_world_process_zero:
             return
         if state.global_step:
-            what = f"resuming at step {state.global_step}/{state.max_steps}"
+            what = f"resuming at step {state.global_step}/{state.max_steps}{_resumed_from(state.global_step)}"
         elif self.attempt and self.attempt > 1:
             what = f"no checkpoint to resume, training {state.max_steps} steps from the start"
         else:
@@ -98,6 +104,17 @@ class ConsoleProgress(TrainerCallback):
         """Log on the first rank the progress line of each logging step that has a loss."""
         if state.is_world_process_zero and logs and "loss" in logs:
             logger.info(progress_line(state.global_step, state.max_steps, logs, args.world_size))
+
+
+def _resumed_from(step: int) -> str:
+    """Where ``resume_checkpoint()`` found ``step`` in this process, for the attempt's line ("" if unknown)."""
+    source = last_resume()
+    if source is None or source.step != step:
+        return ""
+    if source.kind == "memory":
+        storage = f"newest storage checkpoint {source.storage_step}" if source.storage_step else "none in storage yet"
+        return f" from its memory snapshot ({storage})"
+    return " from its storage checkpoint" if source.kind == "storage" else ""
 
 
 def progress_line(step: int, max_steps: int, logs: dict[str, float], world_size: int) -> str:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ray.train import CheckpointConsistencyMode
 from transformers import TrainerCallback
 
+from hf_lowzero.ray.events import expect_lost_peer
 from hf_lowzero.ray.snapshots import snapshot_takers
 
 FAILURE_MARKER = ".hf_lowzero_failure_injected"
@@ -32,7 +33,9 @@ class InjectWorkerFailure(TrainerCallback):
     right after ``ray.train.report`` returned, with its upload still in flight ([Note: asynchronous
     upload]): its report never reaches the controller, and its files in storage are usually cut
     short (the upload thread can win the race with the kill); at any other step, at the end of the
-    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's.
+    step. Add it after ``prepare_trainer``, so that its ``on_save`` runs right after the report's. The
+    console gets one line for it, and no traceback for the error the kill costs the other ranks
+    ([Note: designed events] in ``events.py``).
 
     ``during="snapshot"`` kills it instead while the memory snapshot of ``step`` is being taken: after
     its pieces landed on the holders and before it marked them, so that snapshot is torn (never
@@ -67,12 +70,14 @@ class InjectWorkerFailure(TrainerCallback):
         for taker in snapshot_takers():  # a snapshot on its way lands first, as a storage report is committed
             taker.wait()
         dist.barrier()  # every rank checked the marker before it appears
-        if dist.get_rank() == dist.get_world_size() - 1:
+        if dist.get_rank() != dist.get_world_size() - 1:
+            expect_lost_peer()  # the error losing it costs this rank prints no traceback
+        else:
             # Reports reach the controller when it polls; one queued on a dead worker is lost.
             ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             self.marker.write_text(f"worker of rank {dist.get_rank()} killed at step {state.global_step}\n")
-            logger.warning("[hf_lowzero] injecting a failure: killing rank %d at step %d", dist.get_rank(), self.step)
+            logger.warning(failure_line(dist.get_rank(), self.step))
             if self.during == "snapshot":
                 for taker in snapshot_takers():
                     taker.fault = (self.step, lambda: os._exit(1))
@@ -87,6 +92,22 @@ class InjectWorkerFailure(TrainerCallback):
         # upload that report() started in the background is still in flight: its report never arrives.
         if self._kill_after_report:
             os._exit(1)
+
+
+def failure_line(rank: int, step: int) -> str:
+    """The console line of an injected failure ([Note: designed events] in ``events.py``). It names the
+    raylet's report of the dead worker, which Ray prints whatever we do, just before or after it.
+
+    Example::
+
+        >>> failure_line(1, 15)[:60]
+        '[hf_lowzero] injecting a failure: killing rank 1 at step 15;'
+    """
+    return (
+        f"[hf_lowzero] injecting a failure: killing rank {rank} at step {step}; Ray reports the dead worker "
+        "(raylet: 'A worker died or was killed ...') and restarts the group, which resumes the newest memory "
+        "snapshot or checkpoint"
+    )
 
 
 CORRUPTION_MARKER = ".hf_lowzero_corruption_injected"

@@ -11,12 +11,13 @@ Example (inside a Ray Train training function)::
 # [Note: rollback]
 # A failed check raises ``IntegrityError`` on every rank before the step's update, so no checkpoint
 # or snapshot holds that state. Every rank's node is then recorded in the run's storage folder
-# (``hf_lowzero_integrity/``), and the error ends the attempt. With ``on_mismatch="rollback"`` Ray
-# restarts the worker group and ``resume_checkpoint()`` takes the newest memory snapshot taken at
-# a verified step (snapshots of steps whose checks did not pass are never restored, and with
-# rollback memory snapshots request a check of every step they are taken at: [Note: verified
-# snapshots] in ``snapshots.py``), so a transient fault costs the steps
-# since that snapshot and the run ends as it would have without it. With ``"raise"`` the console
+# (``hf_lowzero_integrity/``), and the error ends the attempt. With ``on_mismatch="rollback"`` the
+# first rank's one console line says so, and Ray prints no traceback ([Note: designed events] in
+# ``events.py``); Ray restarts the worker group and ``resume_checkpoint()`` takes the newest memory
+# snapshot taken at a verified step (snapshots of steps whose checks did not pass are never
+# restored, and with rollback memory snapshots request a check of every step they are taken at:
+# [Note: verified snapshots] in ``snapshots.py``), so a transient fault costs the steps since that
+# snapshot and the run ends as it would have without it. With ``"raise"`` the console
 # says the run stops; Ray's ``FailureConfig`` still decides whether it restarts. A fault that a
 # second failure names on the same node again is not transient: the error then names the rank and
 # the node (kind ``"repeated"``), and every later attempt that would run on that node fails at once
@@ -36,6 +37,7 @@ import ray
 import ray.train
 import torch.distributed as dist
 
+from hf_lowzero.ray.events import designed
 from hf_lowzero.zero.integrity import IntegrityError
 
 FAILURES_DIR = "hf_lowzero_integrity"
@@ -111,7 +113,7 @@ def _after_failure(trainer, error: IntegrityError, nodes: list[str]) -> Integrit
             else "stopping (on_mismatch='raise')"
         )
         logger.error("[hf_lowzero] %s; %s", error, then)
-    return error
+    return designed(error) if rollback else error  # [Note: designed events] in events.py
 
 
 def _refuse_excluded_nodes(nodes: list[str]) -> None:

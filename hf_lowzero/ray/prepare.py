@@ -27,6 +27,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from hf_lowzero.ray.elastic import RecordWorldSize
+from hf_lowzero.ray.events import quiet_designed_errors
 from hf_lowzero.ray.integrity import guard_train
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
 from hf_lowzero.ray.restore import newest_state
@@ -40,7 +41,9 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
     Each rank reports the files of ``checkpoint-N`` it owns (its ZeRO shard and RNG state; rank 0
     every other file), so a checkpoint Ray registers holds every shard, also across nodes that share
     no filesystem. ``upload="async"`` uploads in the background, ``"sync"`` blocks training until the
-    upload finished. Also adds the world size to every entry of the loss log (``RecordWorldSize``).
+    upload finished. Also adds the world size to every entry of the loss log (``RecordWorldSize``), and
+    keeps Ray from printing a traceback for an error that ends the attempt by design (a rollback, a
+    peer killed on purpose: ``quiet_designed_errors``).
     Works with any ``transformers.Trainer`` (``LowZeroTrainer``, or a plain ``Trainer`` with DDP);
     calling it again on the same trainer changes nothing.
 
@@ -107,6 +110,7 @@ def prepare_trainer(trainer: Trainer, upload: str = "async", snapshot_every: int
                 f"not upload={upload!r}, snapshot_every={snapshot_every!r}"
             )
         return trainer
+    quiet_designed_errors()  # [Note: designed events] in events.py
     trainer.add_callback(ReportShardedCheckpoints(upload))
     trainer.add_callback(RecordWorldSize())
     if getattr(trainer, "zero_enabled", False):

@@ -110,9 +110,6 @@ def newest_state(storage_folder: str | None) -> ResumeSource:
             logger.warning("[hf_lowzero] %s", reason)
         return _last
     folder = str(Path(plan.folder) / f"checkpoint-{plan.step}")
-    if rank == 0:
-        storage = f"newest storage checkpoint {storage_step}" if storage_folder else "no storage checkpoint yet"
-        logger.info("[hf_lowzero] resuming from memory: the snapshot of step %d (%s)", plan.step, storage)
     _last = ResumeSource(
         "memory", plan.step, storage_step, folder, remote_pieces=plan.remote_pieces, started_at=started_at
     )

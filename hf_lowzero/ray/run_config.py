@@ -1,9 +1,10 @@
 """A ``RunConfig`` for any ``TorchTrainer`` that uses hf_lowzero on Ray: a caller's merged with a
-job's own, and the release of the run's memory snapshots when it ends.
+job's own, plus the controller callbacks every such run wants: the release of the run's memory
+snapshots when it ends, and the controller's side of the console's designed events.
 
 Example::
 
-    run_config = with_snapshot_release(merge_run_config(caller_run_config, RunConfig(name="job")))
+    run_config = with_job_callbacks(merge_run_config(caller_run_config, RunConfig(name="job")))
     TorchTrainer(train_func, run_config=run_config, ...).fit()
 """
 
@@ -13,26 +14,29 @@ import dataclasses
 
 from ray.train import RunConfig
 
+from hf_lowzero.ray.events import ConsoleEvents
 from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
 
 # RunConfig.__post_init__ names a run it was given no name for "ray_train_run-<date>".
 _UNNAMED_RUN_PREFIX = "ray_train_run-"
 
 
-def with_snapshot_release(run_config: RunConfig) -> RunConfig:
-    """``run_config`` with ``ReleaseSnapshots`` among its callbacks (once): the run's memory
-    snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder lifetime] in
-    ``holder_lifetime.py``).
+def with_job_callbacks(run_config: RunConfig) -> RunConfig:
+    """``run_config`` with ``ReleaseSnapshots`` and ``ConsoleEvents`` among its callbacks (each once):
+    the run's memory snapshots are freed when it ends, whatever the caller's callbacks ([Note: holder
+    lifetime] in ``holder_lifetime.py``), and the controller says when it resizes the worker group
+    ([Note: designed events] in ``events.py``).
 
     Args:
         run_config: The run's configuration.
 
     Returns:
-        A copy with ``ReleaseSnapshots`` added, or one equal to ``run_config`` when it has one already.
+        A copy with the callbacks it lacked added, or one equal to ``run_config`` when it has both.
     """
     callbacks = list(run_config.callbacks or [])
-    if not any(isinstance(cb, ReleaseSnapshots) for cb in callbacks):
-        callbacks.append(ReleaseSnapshots())
+    for kind in (ReleaseSnapshots, ConsoleEvents):
+        if not any(isinstance(cb, kind) for cb in callbacks):
+            callbacks.append(kind())
     return dataclasses.replace(run_config, callbacks=callbacks)
 
 

@@ -315,7 +315,8 @@ class LowZeroTrainer(Trainer):
         if self.zero_enabled and is_memory_snapshot(resume_from_checkpoint):
             # No model weights in a memory snapshot: loading the optimizer writes its master rows
             # into the params; frozen params are the model's as built.
-            logger.info("%s is a memory snapshot: params come from its optimizer shards", resume_from_checkpoint)
+            # Debug: on Ray every rank would print it; the attempt's one line says where it resumed.
+            logger.debug("%s is a memory snapshot: params come from its optimizer shards", resume_from_checkpoint)
             return
         if self.zero_enabled and model is None and self._compiled():
             model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # uncompiled names

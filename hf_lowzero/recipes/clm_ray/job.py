@@ -42,7 +42,7 @@ from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.faults import InjectCorruption, InjectWorkerFailure
 from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
 from hf_lowzero.ray.reporting import ReportShardedCheckpoints
-from hf_lowzero.ray.run_config import merge_run_config, with_snapshot_release
+from hf_lowzero.ray.run_config import merge_run_config, with_job_callbacks
 from hf_lowzero.recipes.clm import clm_trainer
 from hf_lowzero.recipes.clm_ray.attempts import record_attempt
 from hf_lowzero.recipes.clm_ray.job_config import RayFinetuneConfig
@@ -109,7 +109,7 @@ def build_trainer(
         ),
         # [Note: a lost rank under NCCL]: how long a collective may wait
         torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
-        run_config=with_snapshot_release(merge_run_config(run_config, job_run_config)),
+        run_config=with_job_callbacks(merge_run_config(run_config, job_run_config)),
     )
 
 
