@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, Reduction, plan_buckets
-from hf_lowzero.zero.layout import pack_bucket, unpack_bucket
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.layout.buckets import BucketState, ParamSlot, PlanOrderLauncher, Reduction, plan_buckets
+from hf_lowzero.zero.layout.packing import pack_bucket, unpack_bucket
+from hf_lowzero.zero.layout.partition import ParamShard
 
 
 def make_slots(shapes, world_size, dtypes=None):

@@ -1,4 +1,4 @@
-"""The integrity checks' arithmetic (``hf_lowzero/zero/checksums.py``, ``verdict.py``), in one process.
+"""The integrity checks' arithmetic (``hf_lowzero/zero/integrity/checksums.py``, ``verdict.py``), in one process.
 
 W ranks are W ``IntegrityChecker`` objects fed the real packing (``pack_bucket``) and a reduction
 done here, in the communication dtype, so that a fault can be put exactly where a test wants it: one
@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_lowzero.zero import checksums
-from hf_lowzero.zero.buckets import plan_buckets
-from hf_lowzero.zero.checksums import PERIOD, SCRATCH, bucket_plans, hash_weights, sign_table, tensor_hash
-from hf_lowzero.zero.integrity import IntegrityChecker, IntegrityError
-from hf_lowzero.zero.layout import pack_bucket
-from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.partition import ParamShard, assign_owners
+from hf_lowzero.zero.integrity import checksums
+from hf_lowzero.zero.integrity.checker import IntegrityChecker, IntegrityError
+from hf_lowzero.zero.integrity.checksums import PERIOD, SCRATCH, bucket_plans, hash_weights, sign_table, tensor_hash
+from hf_lowzero.zero.layout.buckets import plan_buckets
+from hf_lowzero.zero.layout.packing import pack_bucket
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.layout.partition import ParamShard, assign_owners
 
 CPU = torch.device("cpu")
 # a 1-element param, a padded one (17 x 257 over 3 ranks), one whose pieces span several periods

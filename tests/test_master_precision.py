@@ -12,7 +12,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.master_precision import round_nearest, round_stochastic
+from hf_lowzero.zero.update.master_precision import round_nearest, round_stochastic
 from tests.hf_models import tiny_gpt2
 from tests.models import BranchyNet, batch, make_inner, param_groups
 from tests.trainer_runs import logged, make_args, train

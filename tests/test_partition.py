@@ -2,7 +2,7 @@
 
 import pytest
 
-from hf_lowzero.zero.partition import ParamShard, padded_numel
+from hf_lowzero.zero.layout.partition import ParamShard, padded_numel
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])

@@ -20,9 +20,9 @@ import torch
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, extra_key, master_key
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
 from hf_lowzero.checkpoint.shards import CheckpointError, ShardView
-from hf_lowzero.zero import comm
-from hf_lowzero.zero.params import canonical_name
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.layout.params import canonical_name
+from hf_lowzero.zero.layout.partition import ParamShard
+from hf_lowzero.zero.runtime import comm
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer

@@ -29,7 +29,7 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import CheckpointError
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.layout.partition import ParamShard
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_lowzero.zero.memory import is_packed
-from hf_lowzero.zero.params import canonical_name
-from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.shard_state import SECTION, is_row_state, is_whole_state
+from hf_lowzero.zero.inner.shard_state import SECTION, is_row_state, is_whole_state
+from hf_lowzero.zero.layout.params import canonical_name
+from hf_lowzero.zero.layout.partition import ParamShard
+from hf_lowzero.zero.runtime.memory import is_packed
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer

@@ -61,9 +61,9 @@ from torch import nn
 from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.state_probe import StateProbe, runs_under_fake_tensors
 from hf_lowzero.plan.tracker import PeakTracker, storage_bytes
-from hf_lowzero.zero import comm
-from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.inner import choose_partition
+from hf_lowzero.zero.inner.policy import choose_partition
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.zero_config import ZeroConfig
 
 PARTS = ("params", "gradients", "master", "optimizer_state", "frozen", "activations", "buffers")
 
@@ -214,7 +214,7 @@ def _fake_gpu_world(world_size: int, rank: int):
     events order nothing here (the plan counts memory; ``hf_lowzero.simulation`` checks order)."""
     from hf_lowzero.simulation.nccl import simulated_world
     from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
-    from hf_lowzero.zero import device as dev
+    from hf_lowzero.zero.runtime import device as dev
 
     device = torch.device("cuda", 0)
     checker = AccessChecker()

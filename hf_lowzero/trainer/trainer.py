@@ -55,9 +55,9 @@ from hf_lowzero.trainer.callbacks import gate_callbacks
 from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
-from hf_lowzero.zero.config import parse_dtype
+from hf_lowzero.zero.layout.params import canonical_name
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
-from hf_lowzero.zero.params import canonical_name
+from hf_lowzero.zero.zero_config import parse_dtype
 
 SCHEDULER_NAME = "scheduler.pt"
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class LowZeroTrainer(Trainer):
         self.zero_optimizer.backward(loss, **kwargs)
 
     def _wait_for_params(self) -> None:
-        # [Note: params are current] in zero/allgather.py
+        # [Note: params are current] in zero/update/allgather.py
         if self.zero_optimizer is not None:
             self.zero_optimizer.wait_for_params()
 

@@ -10,15 +10,15 @@ Example::
         opt.zero_grad()
 
 Lifecycle of one step (docs/architecture.md, "The data path of one step"): backward launches
-complete buckets in plan order ([Note: bucket order], ``backward.py``); ``step`` takes the global
+complete buckets in plan order ([Note: bucket order], ``grads/backward.py``); ``step`` takes the global
 norm and the used flags in one all-reduce and skips on every rank alike when it is not finite
-(``step.py``); ``_update`` steps the inner optimizer on the master rows and all-gathers them back
-into the model's params (``master.py``).
+(``update/step.py``); ``_update`` steps the inner optimizer on the master rows and all-gathers them back
+into the model's params (``update/master.py``).
 
 ``opt.param_groups`` hold the model's params; the inner optimizer's hold master rows (see
-[Note: two sets of param groups] in ``groups.py``): slices of every param (row shards), or, with
+[Note: two sets of param groups] in ``inner/groups.py``): slices of every param (row shards), or, with
 whole-parameter ownership, the params this rank owns, whole and in their shape ([Note: two ways to
-own a parameter] in ``partition.py``).
+own a parameter] in ``layout/partition.py``).
 """
 
 from __future__ import annotations
@@ -34,27 +34,26 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hf_lowzero.zero import comm
-from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.adopt import adopt_inner_optimizer, held_piece
-from hf_lowzero.zero.allgather import ParamGather, stale_read_message
-from hf_lowzero.zero.backward import BackwardSync
-from hf_lowzero.zero.buckets import plan_buckets
-from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.grad_store import make_grad_store
-from hf_lowzero.zero.groups import HOOK_TABLES, ParamGroups
-from hf_lowzero.zero.inner import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
-from hf_lowzero.zero.integrity import IntegrityChecker
-from hf_lowzero.zero.layout import holding_any
-from hf_lowzero.zero.loss_scaler import make_scaler
-from hf_lowzero.zero.master import MasterRows
-from hf_lowzero.zero.master_precision import make_master_precision
-from hf_lowzero.zero.memory import MemoryReport, bytes_by_device
-from hf_lowzero.zero.params import WrapGuard, canonical_name, managed_slots
-from hf_lowzero.zero.reducer import BucketReducer
-from hf_lowzero.zero.shard_state import ShardParts, load_shard_state, shard_state_dict
-from hf_lowzero.zero.step import (
+from hf_lowzero.zero.grads.backward import BackwardSync
+from hf_lowzero.zero.grads.grad_store import make_grad_store
+from hf_lowzero.zero.grads.reducer import BucketReducer
+from hf_lowzero.zero.inner.adopt import adopt_inner_optimizer, held_piece
+from hf_lowzero.zero.inner.groups import HOOK_TABLES, ParamGroups
+from hf_lowzero.zero.inner.policy import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
+from hf_lowzero.zero.inner.shard_state import ShardParts, load_shard_state, shard_state_dict
+from hf_lowzero.zero.integrity.checker import IntegrityChecker
+from hf_lowzero.zero.layout.buckets import plan_buckets
+from hf_lowzero.zero.layout.packing import holding_any
+from hf_lowzero.zero.layout.params import WrapGuard, canonical_name, managed_slots
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.buffers import BufferPool
+from hf_lowzero.zero.runtime.memory import MemoryReport, bytes_by_device
+from hf_lowzero.zero.update.allgather import ParamGather, stale_read_message
+from hf_lowzero.zero.update.loss_scaler import make_scaler
+from hf_lowzero.zero.update.master import MasterRows
+from hf_lowzero.zero.update.master_precision import make_master_precision
+from hf_lowzero.zero.update.step import (
     SkipCounts,
     StepStats,
     StepVerdict,
@@ -63,6 +62,7 @@ from hf_lowzero.zero.step import (
     scale_rows,
     unscale_clip_coef,
 )
+from hf_lowzero.zero.zero_config import ZeroConfig
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     ``optimizer`` must be a fresh torch optimizer over ``model``'s trainable params. Element-wise
     ones get row shards, any other whole-parameter ownership (``ZeroConfig.partition``).
     ``param_groups`` hold the model's params (see [Note: two sets of param groups]);
-    ``state_dict()`` is torch's format for this rank's shard (see ``shard_state.py``).
+    ``state_dict()`` is torch's format for this rank's shard (see ``inner/shard_state.py``).
 
     Gradients live in the optimizer's buckets and rows, not in ``p.grad``: after a synchronized
     backward every managed ``p.grad`` is None. ``step()`` consumes and clears them.
@@ -286,7 +286,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch's format, plus master rows, loss scaler and counters
-        (``shard_state.py``). Local and cheap: no communication, no copies.
+        (``inner/shard_state.py``). Local and cheap: no communication, no copies.
 
         Returns:
             The state dict; its tensors are the live ones, not copies.
@@ -370,7 +370,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
         With ``overlap_allgather`` (the default) ``step()`` returns with the all-gathers of the
         updated params in flight, and each module's forward waits for its own ([Note: overlapped
-        all-gather] in ``allgather.py``). Everything else that reads params between ``step()`` and
+        all-gather] in ``update/allgather.py``). Everything else that reads params between ``step()`` and
         the next forward must call this first: an EMA of the weights, a metric computed from them,
         ``torch.save(model.parameters())``. ``model.state_dict()``, this optimizer's ``state_dict()``,
         checkpoints, the next ``backward()`` and ``step()`` call it themselves; so does the Trainer
@@ -388,7 +388,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """An asynchronous copy of this rank's shard (master rows, optimizer state) completes with
         ``event`` (a CUDA event; None for a synchronous copy): every later write of the shard
         (a step, ``train()``/``eval()``, ``copy_params_to_master``, ``load_state_dict``) waits for
-        it first ([Note: one gate for the shard's writers] in ``write_gate.py``).
+        it first ([Note: one gate for the shard's writers] in ``update/write_gate.py``).
 
         Args:
             event (torch.cuda.Event | None): Completes when the copy is done; None: the copy is done already.

@@ -35,8 +35,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hf_lowzero.zero.layout import piece_view
-from hf_lowzero.zero.params import ParamSlot
+from hf_lowzero.zero.layout.packing import piece_view
+from hf_lowzero.zero.layout.params import ParamSlot
 
 STEP_DTYPE = torch.float32  # what the inner optimizer computes in, whatever the masters' dtype
 ROUNDING_CHUNK = 1 << 20  # elements rounded at once: bounds the int32 noise buffer of a step

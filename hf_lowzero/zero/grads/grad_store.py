@@ -1,7 +1,7 @@
 """The gradient store: where this rank's reduced gradients accumulate, on the params' device or,
 for optimizer offload, in host memory.
 
-Both keep one flat fp32 tensor in the owned space (bucket after bucket, ``layout.py``). ``accept``
+Both keep one flat fp32 tensor in the owned space (bucket after bucket, ``layout/packing.py``). ``accept``
 takes a bucket's reduced chunk (the params' device, the communication dtype) right after its
 collective finished: the first contribution since the last step is copied, later ones
 (accumulation) added, always in fp32.
@@ -16,11 +16,11 @@ Example::
 # With offload on CUDA, a bucket's reduced chunk is copied to pinned host memory on a side stream
 # that first waits for an event recorded on the params' device's compute stream after the
 # collective (so the copy never reads a chunk still being reduced; [Note: the params' device] in
-# ``device.py``), while backward goes on. The chunk's allocation is tied to the copy stream
+# ``runtime/device.py``), while backward goes on. The chunk's allocation is tied to the copy stream
 # (``record_stream``), so the caching allocator cannot reuse it before the copy is done. Every copy
 # records a completion event, and nothing reads (or rewrites) a staging buffer or a host chunk
 # before that event completed. Backward never waits for one ([Note: one host sync per step] in
-# ``step.py``): a later micro-batch's copy of the same bucket asks whether earlier ones completed
+# ``update/step.py``): a later micro-batch's copy of the same bucket asks whether earlier ones completed
 # (``event_done``, a query), adds those into the chunk and reuses their staging buffers, and stages
 # into another buffer otherwise; the step waits once, for the newest copy (copies on one stream
 # complete in order), and adds what is left, micro-batch by micro-batch: the same additions in the
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.buckets import Bucket
-from hf_lowzero.zero.layout import bucket_view, piece_view
-from hf_lowzero.zero.memory import same_memory
-from hf_lowzero.zero.params import ParamSlot
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.packing import bucket_view, piece_view
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.memory import same_memory
 
 GRAD_DTYPE = torch.float32  # gradient rows, whatever the params' and the masters' dtype
 

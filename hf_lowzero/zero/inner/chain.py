@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hf_lowzero.zero.groups import HOOK_TABLES
+from hf_lowzero.zero.inner.groups import HOOK_TABLES
 
 
 class _ChainState(MutableMapping):

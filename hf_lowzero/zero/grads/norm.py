@@ -18,7 +18,7 @@ Example::
 # An fp32 square overflows above 1.8e19, where float64 would not; a non-finite result is therefore
 # recomputed in float64, so only gradients that are truly inf/nan make the norm non-finite (a
 # skipped step), exactly as before. The step asks only once its one host sync has brought the
-# all-reduced total back (``step.py``): ``blocked_squared_norm`` itself never looks at a value.
+# all-reduced total back (``update/step.py``): ``blocked_squared_norm`` itself never looks at a value.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_lowzero.zero.inner import carry_bitsandbytes_overrides
-from hf_lowzero.zero.params import ParamSlot
+from hf_lowzero.zero.inner.policy import carry_bitsandbytes_overrides
+from hf_lowzero.zero.layout.params import ParamSlot
 
 
 def held_piece(slot: ParamSlot, row: torch.Tensor) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""The arithmetic of the integrity checks ([Note: integrity checks] in ``integrity.py``): random-sign
+"""The arithmetic of the integrity checks ([Note: integrity checks] in ``checker.py``): random-sign
 checksums of a bucket's segments, and exact hashes of tensors' bits. Everything runs on the tensors'
 device, in bounded scratch, and reads no device value on the host: what the host needs (where each
 segment lies, how the work is tiled, which tensors are hashed together) is planned once, from the
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_lowzero.zero.buckets import Bucket
+from hf_lowzero.zero.layout.buckets import Bucket
 
 PERIOD = 1 << 17  # rows of the sign table: a segment's signs repeat after this many elements
 SCRATCH = 1 << 19  # float64 elements of scratch a bucket's sums use at most (4 MiB), whatever its size

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.zero_config import ZeroConfig
 
 
 @dataclass(kw_only=True)

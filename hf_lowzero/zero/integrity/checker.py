@@ -19,7 +19,7 @@ Example::
 # is a sum. Both can be checked exactly and cheaply.
 # - Replicas. On a verify step each rank hashes every parameter (trainable and frozen) and
 #   persistent buffer at the step, before the update, once every all-gather has landed ([Note:
-#   overlapped all-gather] in allgather.py): the values this step's forward read, or had to read if
+#   overlapped all-gather] in update/allgather.py): the values this step's forward read, or had to read if
 #   it read them at all. Two wrapping int64 sums of its bit patterns,
 #   of the words and of the words weighted by position (``checksums.tensor_hash``; small tensors are
 #   hashed with the others of their length at once). Any flipped bit changes the first; changes that
@@ -28,7 +28,7 @@ Example::
 #   majority (with two ranks, both).
 # - Reductions. For every bucket reduced on a verify step each rank takes, per destination rank
 #   and parameter (a segment), the dot products of its packed gradients (divided by W, here or by the
-#   collective: [Note: the divide in the collective] in comm.py) with P
+#   collective: [Note: the divide in the collective] in runtime/comm.py) with P
 #   vectors of random signs (+1/-1) that all ranks share, and their L2 norm; after the collective
 #   the owner takes the same dot products of its reduced rows ([Note: segment checksums] in
 #   checksums.py: how the signs are laid out and the dots computed). Summation is linear: the
@@ -67,9 +67,8 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from hf_lowzero.zero import comm, faults
-from hf_lowzero.zero.buckets import Bucket
-from hf_lowzero.zero.checksums import (
+from hf_lowzero.zero.integrity import reduction_faults as faults
+from hf_lowzero.zero.integrity.checksums import (
     PERIOD,
     SCRATCH,
     ReplicaHashes,
@@ -78,8 +77,10 @@ from hf_lowzero.zero.checksums import (
     bucket_plans,
     sign_table,
 )
-from hf_lowzero.zero.config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
-from hf_lowzero.zero.verdict import Finding, Judged, judge, summary
+from hf_lowzero.zero.integrity.verdict import Finding, Judged, judge, summary
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.zero_config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
 
 MAX_INTERVAL = 1000
 SIGMAS = 8.0  # [Note: integrity checks]: the bound's standard deviations
@@ -212,7 +213,7 @@ class IntegrityChecker:
 
     def after_pack(self, bucket: Bucket, flat: torch.Tensor, divided: bool = True) -> None:
         """A bucket packed (1D, rank-major), before its collective; ``divided``: by W already, or
-        (False) the collective divides ([Note: the divide in the collective] in ``comm.py``)."""
+        (False) the collective divides ([Note: the divide in the collective] in ``runtime/comm.py``)."""
         self.begin_step()
         if self._verifying:
             start = time.perf_counter()

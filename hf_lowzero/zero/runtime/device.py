@@ -215,7 +215,7 @@ def phase(name: str):
 
 def mark_stale(tensors: list[torch.Tensor], names: list[str]) -> None:
     """``tensors`` (params named ``names``) hold outdated values until :func:`mark_current`: their
-    all-gather is in flight ([Note: overlapped all-gather] in ``allgather.py``). A simulation fails
+    all-gather is in flight ([Note: overlapped all-gather] in ``update/allgather.py``). A simulation fails
     any read of them meanwhile; nothing happens on a real GPU or the CPU."""
     if tensors and is_cuda(tensors[0].device):
         ops().mark_stale(tensors, names)

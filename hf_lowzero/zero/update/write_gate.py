@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_lowzero.zero import device as dev
+from hf_lowzero.zero.runtime import device as dev
 
 
 class WriteGate:

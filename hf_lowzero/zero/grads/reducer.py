@@ -29,13 +29,13 @@ from collections import Counter
 import torch
 from torch.profiler import record_function
 
-from hf_lowzero.zero import comm
-from hf_lowzero.zero.buckets import Bucket, Reduction
-from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.grad_store import DeviceGradStore
-from hf_lowzero.zero.integrity import IntegrityChecker
-from hf_lowzero.zero.layout import pack_bucket, pack_plan
-from hf_lowzero.zero.memory import bytes_by_device
+from hf_lowzero.zero.grads.grad_store import DeviceGradStore
+from hf_lowzero.zero.integrity.checker import IntegrityChecker
+from hf_lowzero.zero.layout.buckets import Bucket, Reduction
+from hf_lowzero.zero.layout.packing import pack_bucket, pack_plan
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime.buffers import BufferPool
+from hf_lowzero.zero.runtime.memory import bytes_by_device
 
 
 class BucketReducer:

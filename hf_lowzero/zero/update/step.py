@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from hf_lowzero.zero import comm
-from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
-from hf_lowzero.zero.norm import blocked_squared_norm, float64_squared_norm
+from hf_lowzero.zero.grads.norm import blocked_squared_norm, float64_squared_norm
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.update.loss_scaler import ConstantScale, DynamicLossScaler
+from hf_lowzero.zero.zero_config import ZeroConfig
 
 
 @dataclass
@@ -47,7 +47,7 @@ class SkipCounts:
 # host) goes to the device through a page-locked buffer without waiting, the squared norm is
 # written on the device, one all-reduce sums it, and one copy brings it back: the step's only host
 # sync (on a verify step the integrity table comes back in the same copy). Only when the total is
-# not finite does the float64 norm decide ([Note: blocked norm] in ``norm.py``): every rank sees the
+# not finite does the float64 norm decide ([Note: blocked norm] in ``grads/norm.py``): every rank sees the
 # same total, so all take that rare second round together.
 
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.buckets import Bucket
-from hf_lowzero.zero.layout import piece_view
-from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.write_gate import WriteGate
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.packing import piece_view
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.update.write_gate import WriteGate
 
 
 class MasterRows:

@@ -63,10 +63,10 @@ from collections.abc import Callable
 
 import torch
 
-from hf_lowzero.zero.buckets import Bucket, BucketState, PlanOrderLauncher, Reduction
-from hf_lowzero.zero.layout import GRAD, holding_any, missing_any
-from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.reducer import BucketReducer
+from hf_lowzero.zero.grads.reducer import BucketReducer
+from hf_lowzero.zero.layout.buckets import Bucket, BucketState, PlanOrderLauncher, Reduction
+from hf_lowzero.zero.layout.packing import GRAD, holding_any, missing_any
+from hf_lowzero.zero.layout.params import ParamSlot
 
 MAX_IN_FLIGHT = 2  # buckets reducing at once; bounds transient buffer memory
 
@@ -206,5 +206,5 @@ class BackwardSync:
             raise RuntimeError(
                 f"cannot {action}: a previous backward did not finish (it raised midway), so its "
                 "gradients are incomplete. Call optimizer.zero_grad() to discard them, then continue "
-                "with the next batch (see [Note: failed backward] in hf_lowzero/zero/backward.py)."
+                "with the next batch (see [Note: failed backward] in hf_lowzero/zero/grads/backward.py)."
             )

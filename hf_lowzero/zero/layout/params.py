@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_lowzero.zero.partition import ParamShard, assign_owners
+from hf_lowzero.zero.layout.partition import ParamShard, assign_owners
 
 
 @dataclass(eq=False)

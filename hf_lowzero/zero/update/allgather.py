@@ -11,8 +11,8 @@ Example::
 # [Note: overlapped all-gather]
 # After a step every rank must see every updated param. ``issue`` starts one gather per bucket (an
 # all-gather of the rows, or the uneven exchange of whole params: [Note: uneven exchanges] in
-# ``comm.py``), in the order the next forward needs them: buckets are planned in reverse
-# registration order ([Note: bucket order] in ``buckets.py``), so the forward's order is the plan's
+# ``runtime/comm.py``), in the order the next forward needs them: buckets are planned in reverse
+# registration order ([Note: bucket order] in ``layout/buckets.py``), so the forward's order is the plan's
 # reversed. It is the same on every rank, so the collectives match whatever each rank's forward does.
 #
 # With ``defer`` (``ZeroConfig.overlap_allgather``, the default) nothing waits in the step: a
@@ -58,13 +58,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from hf_lowzero.zero import comm
-from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.buckets import Bucket
-from hf_lowzero.zero.buffers import BufferPool
-from hf_lowzero.zero.layout import UnpackPlan, bucket_view, unpack_bucket, unpack_targets
-from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.write_gate import WriteGate
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.packing import UnpackPlan, bucket_view, unpack_bucket, unpack_targets
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.buffers import BufferPool
+from hf_lowzero.zero.update.write_gate import WriteGate
 
 MAX_GATHERS_IN_FLIGHT = 2  # without deferral: bounds the transient all-gather buffers
 
@@ -198,7 +198,7 @@ class ParamGather:
         """Forward pre-hooks (each module holding a managed param waits for its buckets) and
         state-dict pre-hooks (``model.state_dict()`` and ``model.load_state_dict()`` wait for all:
         a load must not be overwritten by a gather landing later). Held weakly, as the backward
-        hooks are ([Note: hooks hold the optimizer weakly] in ``backward.py``)."""
+        hooks are ([Note: hooks hold the optimizer weakly] in ``grads/backward.py``)."""
         if not self.defer:
             return  # nothing is ever pending
         bucket_of = {id(slot.param): slot.bucket_index for slot in self.slots}
@@ -247,7 +247,7 @@ def stale_read_message(names: list[str], rank: int) -> str:
     return (
         f"{where} their all-gather was still in flight when backward began: the forward read them outside "
         "the forward of a module that holds them, so it used the previous step's values (see [Note: overlapped "
-        "all-gather] in hf_lowzero/zero/allgather.py). Nothing was updated. Read each weight through its module "
+        "all-gather] in hf_lowzero/zero/update/allgather.py). Nothing was updated. Read each weight through its module "
         "(call the module, or tie the weight into the module that uses it), or pass overlap_allgather=False "
         "(Trainer: --zero_overlap_allgather false)."
     )

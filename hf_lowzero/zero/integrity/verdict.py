@@ -1,4 +1,4 @@
-"""Judging a verify step ([Note: integrity checks] in ``integrity.py``): every rank's numbers, gathered
+"""Judging a verify step ([Note: integrity checks] in ``checker.py``): every rank's numbers, gathered
 into one table on the host, compared; what disagrees is named, with the rank that explains it.
 
 Every (owner, parameter) of every bucket is compared at once; only a failure is looked at on its own,

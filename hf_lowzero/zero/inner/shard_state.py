@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from hf_lowzero.zero.groups import NOT_HYPERPARAMETERS, ParamGroups
-from hf_lowzero.zero.inner import KERNEL_CHOICES
-from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
-from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.step import SkipCounts
-from hf_lowzero.zero.write_gate import WriteGate
+from hf_lowzero.zero.inner.groups import NOT_HYPERPARAMETERS, ParamGroups
+from hf_lowzero.zero.inner.policy import KERNEL_CHOICES
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.layout.partition import ParamShard
+from hf_lowzero.zero.update.loss_scaler import ConstantScale, DynamicLossScaler
+from hf_lowzero.zero.update.step import SkipCounts
+from hf_lowzero.zero.update.write_gate import WriteGate
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hf_lowzero.zero import device as dev
-from hf_lowzero.zero.memory import same_memory
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.memory import same_memory
 
 ProcessGroup = dist.ProcessGroup
 
@@ -255,7 +255,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
 
 
 # [Note: uneven exchanges]
-# Whole-parameter ownership ([Note: two ways to own a parameter] in partition.py) gives the ranks
+# Whole-parameter ownership ([Note: two ways to own a parameter] in layout/partition.py) gives the ranks
 # chunks of different lengths in a bucket, which reduce-scatter and all-gather cannot carry. The
 # gradient goes to its owner and the update comes back as an all-to-all with uneven splits: each
 # rank sends exactly the chunks of its peers (reduce) or its own chunk to each peer (gather), no

@@ -9,12 +9,12 @@ params of rank ``r`` whole, and chunks differ in length (``Bucket.chunks``).
 
 The pieces a rank owns are laid out bucket after bucket in one flat "owned space"
 (``Bucket.row_offset``); the optimizer's fp32 master rows and the gradient store use it
-(``layout.py`` holds the packing, unpacking and views).
+(``packing.py`` holds the packing, unpacking and views).
 
 The plan is frozen once made. What changes during a backward lives elsewhere, each piece in one
 owner: the next bucket to launch and each bucket's phase in the ``PlanOrderLauncher``; whether a
-bucket's gradients are complete in ``BackwardSync`` (``backward.py``); each collective in flight
-in a typed record (``Reduction`` here, ``Gather`` in ``master.py``) held by whoever waits for it,
+bucket's gradients are complete in ``BackwardSync`` (``grads/backward.py``); each collective in flight
+in a typed record (``Reduction`` here, ``Gather`` in ``update/allgather.py``) held by whoever waits for it,
 as FSDP2 keeps its ``AllGatherState`` and ``ReduceScatterState``; whether a bucket holds reduced
 gradients since the last step in the ``BucketReducer``.
 
@@ -35,7 +35,7 @@ from enum import Enum, auto
 
 import torch
 
-from hf_lowzero.zero.params import ParamSlot
+from hf_lowzero.zero.layout.params import ParamSlot
 
 
 class BucketState(Enum):

@@ -4,14 +4,14 @@ With row shards a rank owns an arbitrary slice of every parameter, so the inner 
 update each element from that element's gradient and state alone. Optimizers that look at a whole
 tensor (factored second moments, trust ratios, orthogonalization, block-wise 8-bit states, line
 search) would silently compute something else on a slice: they get whole-parameter ownership
-(``partition="auto"``) or are refused on rows ([Note: two ways to own a parameter] in partition.py).
+(``partition="auto"``) or are refused on rows ([Note: two ways to own a parameter] in layout/partition.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_lowzero.zero.chain import ChainedOptimizer
+from hf_lowzero.zero.inner.chain import ChainedOptimizer
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)

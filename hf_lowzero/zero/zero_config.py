@@ -162,7 +162,7 @@ class ZeroConfig:
     overlap_allgather: bool = True
     """After ``step()`` leave the all-gathers of the updated params in flight: each module's first
     forward use waits for its own buckets alone, so the gathers hide behind the next forward
-    ([Note: overlapped all-gather] in ``allgather.py``). Readers of the params outside the forward
+    ([Note: overlapped all-gather] in ``update/allgather.py``). Readers of the params outside the forward
     wait first (``wait_for_params()``). False: ``step()`` returns with every param current. Needs
     each param to be read in the forward of a module that holds it (a model that reads another
     module's weight directly is stopped with an error naming it); not with ``torch.compile``."""
@@ -201,7 +201,7 @@ class ZeroConfig:
     master_dtype: torch.dtype | str = "fp32"
     """dtype of the master rows each rank keeps between steps: ``"fp32"`` (4 bytes per owned
     element) or ``"bf16"`` (2 bytes; the inner optimizer still computes in fp32 on a copy that
-    exists only during the step, [Note: bf16 masters] in ``master_precision.py``). Also
+    exists only during the step, [Note: bf16 masters] in ``update/master_precision.py``). Also
     ``"float32"``/``"bfloat16"`` or the torch dtype; fp16 masters are refused (too narrow a range)."""
 
     master_rounding: str = "stochastic"
@@ -238,7 +238,7 @@ class ZeroConfig:
     """Raise instead of skipping more than this many steps in a row (non-finite gradients)."""
 
     verify_every: int | str = "auto"
-    """Integrity checks ([Note: integrity checks] in ``integrity.py``): every N steps, ``"auto"``
+    """Integrity checks ([Note: integrity checks] in ``integrity/checker.py``): every N steps, ``"auto"``
     (the interval that keeps them within 1% of step time) or ``"off"``. On a verify step every
     rank's params are compared by hash and every reduction checked by random-sign checksums."""
 

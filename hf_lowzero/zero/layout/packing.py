@@ -22,8 +22,8 @@ from itertools import repeat
 
 import torch
 
-from hf_lowzero.zero.buckets import Bucket
-from hf_lowzero.zero.params import ParamSlot
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.params import ParamSlot
 
 
 def bucket_view(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
@@ -92,7 +92,7 @@ def pack_bucket(
     params (ordered by owner) are simply concatenated. A param with no gradient contributes zeros
     (see [Note: bucket order]). The result is divided by ``world_size`` so that a SUM collective
     yields the average, unless ``divide`` is False (the collective divides: [Note: the divide in the
-    collective] in ``comm.py``). ``plan`` is :func:`pack_plan` of the bucket, built once by the caller.
+    collective] in ``runtime/comm.py``). ``plan`` is :func:`pack_plan` of the bucket, built once by the caller.
     """
     plan = plan or pack_plan(bucket, world_size)
     grads = list(map(GRAD, plan.params)) if grads is None else list(grads)
