@@ -65,7 +65,15 @@ def consolidate_checkpoint(
     full = OrderedDict()
     for name, saved in meta["params"].items():
         flat = torch.empty(saved["numel"], dtype=torch.float32)
-        read_row(reader, master_key(name), saved["numel"], ParamShard(saved["numel"], 1), 0, flat, saved.get("owner"))
+        read_row(
+            reader,
+            master_key(name),
+            saved["numel"],
+            ParamShard(saved["numel"], world_size=1),
+            0,
+            flat,
+            saved.get("owner"),
+        )
         full[name] = flat.view(saved["shape"])
     for name, info in meta.get("extras", {}).items():
         full[name] = reader.read(EXTRAS_FILE, extra_key(name), info["shape"])

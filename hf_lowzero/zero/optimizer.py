@@ -49,6 +49,7 @@ from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
 from hf_lowzero.zero.runtime.memory import MemoryReport, bytes_by_device
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.allgather import ParamGather, stale_read_message
 from hf_lowzero.zero.update.loss_scaler import make_scaler
 from hf_lowzero.zero.update.master import MasterRows
@@ -142,55 +143,41 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )  # "rows" or "params"
         self.optim = optimizer
         self.model = model
-        self.process_group = self.config.process_group
-        self.world_size = comm.group_size(self.process_group)
-        self.rank = comm.group_rank(self.process_group)
-
-        self.slots = managed_slots(model, optimizer, self.world_size, whole=self.partition == "params")
-        self.buckets = plan_buckets(
-            self.slots, self.config.reduce_bucket_bytes, self.config.communication_dtype, self.rank
+        cfg, group = self.config, self.config.process_group
+        self.slots = managed_slots(
+            model, optimizer, world_size=comm.group_size(group), whole=self.partition == "params"
         )
-        self._guard = WrapGuard(self.slots)
         self.device = self.slots[0].param.device
-        offload, pin = self.config.offload_optimizer, self.config.pin_memory
+        self.shard_group = shard = ShardGroup(
+            group=group, rank=comm.group_rank(group), world_size=comm.group_size(group), device=self.device
+        )
+        self.process_group, self.rank, self.world_size = group, shard.rank, shard.world_size
+        self.buckets = plan_buckets(self.slots, cfg.reduce_bucket_bytes, cfg.communication_dtype, rank=shard.rank)
+        self._guard = WrapGuard(self.slots)
+        offload, pin = cfg.offload_optimizer, cfg.pin_memory
         pool = BufferPool()  # communication scratch shared by the reduce-scatters and all-gathers
         self.integrity = IntegrityChecker(
-            self.buckets,
-            {id(slot): slot.name for slot in self.slots},
-            hashed_tensors(model),
-            self.config.communication_dtype,
-            self.process_group,
-            self.rank,
-            self.world_size,
-            self.device,
-            self.config.verify_every,
-            self.config.on_mismatch,
-        )
-        self.reducer = BucketReducer(
-            self.buckets,
-            self.process_group,
-            self.world_size,
-            self.config.communication_dtype,
-            self.config.stage,
-            make_grad_store(self.buckets, self.device, offload, pin),
-            pool,
-            self.integrity,
-        )
-        cfg = self.config
-        self.master = MasterRows(
-            self.slots, self.buckets, rank=self.rank, device=self.device, offload=offload, pin_memory=pin,
-            dtype=cfg.master_dtype,
+            self.buckets, hashed_tensors(model), comm_dtype=cfg.communication_dtype, every=cfg.verify_every,
+            on_mismatch=cfg.on_mismatch, shard=shard,
         )  # fmt: skip
+        self.reducer = BucketReducer(
+            self.buckets, comm_dtype=cfg.communication_dtype, stage=cfg.stage,
+            store=make_grad_store(self.buckets, offload=offload, pin_memory=pin, shard=shard), pool=pool,
+            tap=self.integrity, shard=shard,
+        )  # fmt: skip
+        self.master = MasterRows(
+            self.slots, self.buckets, offload=offload, pin_memory=pin, dtype=cfg.master_dtype, shard=shard
+        )
         self._gather = ParamGather(
-            self.slots, self.buckets, self.master.flat, self.master.gate, world_size=self.world_size,
-            group=self.process_group, device=self.device, pool=pool, defer=cfg.overlap_allgather,
+            self.slots, self.buckets, self.master.flat, self.master.gate, pool=pool, defer=cfg.overlap_allgather,
+            shard=shard,
         )  # fmt: skip
         self._gather.attach(model)  # [Note: overlapped all-gather]
-        self._stats = StepStats(len(self.slots), self.device, self.process_group)
+        self._stats = StepStats(len(self.slots), shard=shard)
         self._stale_candidates: list[int] = []  # slots whose gathers were pending when the last backward began
         self._stale_reads: list[int] = []  # slots read before their gathers landed, in this step
         self._precision = make_master_precision(
-            self.master.flat, self.slots, cfg.master_rounding, cfg.master_rounding_seed, self.rank
+            self.master.flat, self.slots, cfg.master_rounding, cfg.master_rounding_seed, shard=shard
         )
 
         # Per slot: the tensor the inner optimizer steps (a master row, or an owned param's master
@@ -204,7 +191,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         slot_of = {id(slot.param): slot for slot in self.slots}
         self._groups = ParamGroups(optimizer)
         self._slot_at = [slot_of[id(p)] for group in self._groups.outer for p in group["params"]]  # by position
-        adopt_inner_optimizer(optimizer, self.slots, self._inner_params, self._inner_grads, self.rank)
+        adopt_inner_optimizer(optimizer, self.slots, self._inner_params, self._inner_grads, rank=shard.rank)
         self._groups.freeze_sizes()
 
         self.scaler = make_scaler(self.config, {slot.param.dtype for slot in self.slots})
@@ -220,8 +207,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             gate=self.master.gate,
             stage=self.config.stage,
             partition=self.partition,
-            world_size=self.world_size,
-            rank=self.rank,
+            shard=shard,
         )
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
@@ -576,7 +562,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             if table is not None:  # raises IntegrityError on every rank, before anything is updated
                 self.integrity.verify_judge(verdict.extra.view(self.world_size, -1))
             if verdict.stale_reads:
-                raise RuntimeError(stale_read_message([self.slots[i].name for i in sorted(stale)], self.rank))
+                raise RuntimeError(stale_read_message([self.slots[i].name for i in sorted(stale)], rank=self.rank))
             self.last_grad_norm = verdict.scaled_norm / self.scaler.scale
             self._pending_norm = (self._sync.grad_version, reduced, verdict)
         return self._pending_norm[1:]

@@ -8,7 +8,7 @@ collective finished: the first contribution since the last step is copied, later
 
 Example::
 
-    store = make_grad_store(buckets, device, offload=True, pin_memory=True)
+    store = make_grad_store(buckets, offload=True, pin_memory=True, shard=shard)
     store.accept(bucket, reduced_chunk, first=True)   # async D2H on CUDA
     store.chunk(bucket)                                # waits for that copy, then returns the host chunk
 
@@ -39,6 +39,7 @@ from hf_lowzero.zero.layout.packing import bucket_view, piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.memory import same_memory
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 GRAD_DTYPE = torch.float32  # gradient rows, whatever the params' and the masters' dtype
 
@@ -48,8 +49,8 @@ class DeviceGradStore:
 
     offloaded = False
 
-    def __init__(self, buckets: list[Bucket], device: torch.device) -> None:
-        self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=GRAD_DTYPE, device=device)
+    def __init__(self, buckets: list[Bucket], *, shard: ShardGroup) -> None:
+        self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=GRAD_DTYPE, device=shard.device)
 
     def view(self, bucket: Bucket) -> torch.Tensor:
         return bucket_view(self.flat, bucket)
@@ -84,11 +85,11 @@ class HostGradStore(DeviceGradStore):
 
     offloaded = True
 
-    def __init__(self, buckets: list[Bucket], device: torch.device, pin_memory: bool) -> None:
-        self.device, self._buckets = device, buckets
-        self.pin = pin_memory and device.type == "cuda"
+    def __init__(self, buckets: list[Bucket], *, pin_memory: bool, shard: ShardGroup) -> None:
+        self.device, self._buckets = shard.device, buckets
+        self.pin = pin_memory and self.device.type == "cuda"
         self.flat = dev.host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
-        self.stream = dev.side_stream(device)  # None on CPU
+        self.stream = dev.side_stream(self.device)  # None on CPU
         self._staging: dict[int, list[torch.Tensor]] = {}  # bucket index -> every staging buffer it made
         self._free: dict[int, list[torch.Tensor]] = {}  # bucket index -> its staging buffers not in use
         self._pending: dict[int, list[_Copy]] = {}  # bucket index -> its copies not yet added, in order
@@ -176,7 +177,9 @@ class _Copy:
     first: bool
 
 
-def make_grad_store(buckets: list[Bucket], device: torch.device, offload: bool, pin_memory: bool):
+def make_grad_store(
+    buckets: list[Bucket], *, offload: bool, pin_memory: bool, shard: ShardGroup
+) -> DeviceGradStore | HostGradStore:
     if offload:
-        return HostGradStore(buckets, device, pin_memory)
-    return DeviceGradStore(buckets, device)
+        return HostGradStore(buckets, pin_memory=pin_memory, shard=shard)
+    return DeviceGradStore(buckets, shard=shard)

@@ -9,7 +9,7 @@ Example::
 
     held = [held_piece(s, precision.step_rows[s.index]) for s in slots]   # fp32: the master rows
     grads = [held_piece(s, store.piece(s)) for s in slots]
-    adopt_inner_optimizer(optimizer, slots, held, grads, rank)
+    adopt_inner_optimizer(optimizer, slots, held, grads, rank=rank)
     optimizer.param_groups[0]["params"]   # the held pieces, not the model's params
 """
 
@@ -34,6 +34,7 @@ def adopt_inner_optimizer(
     slots: list[ParamSlot],
     held: list[torch.Tensor | None],
     grads: list[torch.Tensor | None],
+    *,
     rank: int,
 ) -> None:
     """Replace every managed param in ``optimizer``'s groups by its held piece (``held``, per slot)
@@ -52,13 +53,15 @@ def adopt_inner_optimizer(
                 continue
             created = optimizer.state.pop(slot.param, None)
             if created:
-                optimizer.state[master] = {key: _piece_of(value, slot, master, rank) for key, value in created.items()}
+                optimizer.state[master] = {
+                    key: _piece_of(value, slot, master, rank=rank) for key, value in created.items()
+                }
             adopted.append(master)
         group["params"] = adopted
     carry_bitsandbytes_overrides(optimizer, {id(s.param): held[s.index] for s in slots if held[s.index] is not None})
 
 
-def _piece_of(value, slot: ParamSlot, master: torch.Tensor, rank: int):
+def _piece_of(value, slot: ParamSlot, master: torch.Tensor, *, rank: int):
     if isinstance(value, torch.Tensor) and value.shape == slot.param.shape:
         return slot.shard.row_of(value, rank).to(master).view(master.shape)
     return value.clone() if isinstance(value, torch.Tensor) else value

@@ -13,8 +13,8 @@ format has no place for and an exact restore needs:
               "loss_scaler": {...}, "skipped_steps": 0, "consecutive_skips": 0}}
 
 A master row is 1D, in the masters' dtype (fp32, or bf16: ``ZeroConfig.master_dtype``; loading
-casts, so either loads into either): this rank's piece of the param, ``ParamShard(numel, world_size,
-owner).piece_numel(rank)`` elements (padding included). With row shards (``owners`` all None) every
+casts, so either loads into either): this rank's piece of the param, ``ParamShard(numel,
+world_size=W, owner=owner).piece_numel(rank)`` elements (padding included). With row shards (``owners`` all None) every
 element-wise state tensor is such a row; with whole-parameter ownership (``partition="params"``,
 ``owners`` the rank of each) ``state`` holds only the owned params, with whatever state tensors the
 inner optimizer keeps, in their own shapes, and the other positions' rows are empty.
@@ -43,6 +43,7 @@ from hf_lowzero.zero.inner.groups import NOT_HYPERPARAMETERS, ParamGroups
 from hf_lowzero.zero.inner.policy import KERNEL_CHOICES
 from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.layout.partition import ParamShard
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.loss_scaler import ConstantScale, DynamicLossScaler
 from hf_lowzero.zero.update.step import SkipCounts
 from hf_lowzero.zero.update.write_gate import WriteGate
@@ -62,8 +63,7 @@ class ShardParts:
     gate: WriteGate  # every writer of the masters and state passes it ([Note: one gate for the shard's writers])
     stage: int
     partition: str
-    world_size: int
-    rank: int
+    shard: ShardGroup
 
 
 SECTION = "zero"
@@ -111,7 +111,7 @@ def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
     if set(masters) != positions:
         return f"master rows for positions {sorted(masters)[:5]}..., expected one per position"
     for pos, (numel, owner) in enumerate(zip(expected["numels"], owners)):
-        row_numel = ParamShard(numel, expected["world_size"], owner).piece_numel(expected["rank"])
+        row_numel = ParamShard(numel, world_size=expected["world_size"], owner=owner).piece_numel(expected["rank"])
         if tuple(masters[pos].shape) != (row_numel,):
             return f"master row {pos} has shape {tuple(masters[pos].shape)}, expected ({row_numel},)"
         for key, value in state_dict["state"].get(pos, {}).items():
@@ -126,7 +126,7 @@ def state_dict_error(state_dict: Any, expected: dict[str, Any]) -> str | None:
     return None
 
 
-def is_row_state(value: Any, shard: ParamShard, rank: int) -> bool:
+def is_row_state(value: Any, shard: ParamShard, *, rank: int) -> bool:
     """An element-wise state tensor: one value per element of ``rank``'s piece (a 1D row, or a whole
     param's state in any shape of the param's numel), as opposed to a scalar or a tensor of
     another size (factored moments, block scales, quantization maps: ``is_whole_state``)."""
@@ -139,12 +139,12 @@ def is_row_state(value: Any, shard: ParamShard, rank: int) -> bool:
     )
 
 
-def is_whole_state(value: Any, shard: ParamShard, rank: int) -> bool:
+def is_whole_state(value: Any, shard: ParamShard, *, rank: int) -> bool:
     """A state tensor of a whole-owned param that is neither element-wise nor a scalar."""
     return (
         shard.whole
         and isinstance(value, torch.Tensor)
-        and not is_row_state(value, shard, rank)
+        and not is_row_state(value, shard, rank=rank)
         and value.dim() >= 1  # 0-dim tensors (``step``) are scalars
     )
 
@@ -167,8 +167,8 @@ def shard_state_dict(parts: ShardParts) -> dict[str, Any]:
         pos += n
     zero = {
         "format_version": SHARD_FORMAT_VERSION,
-        "world_size": parts.world_size,
-        "rank": parts.rank,
+        "world_size": parts.shard.world_size,
+        "rank": parts.shard.rank,
         "stage": parts.stage,
         "partition": parts.partition,
         "numels": [s.shard.numel for s in parts.slot_at],

@@ -80,6 +80,7 @@ from hf_lowzero.zero.integrity.checksums import (
 from hf_lowzero.zero.integrity.verdict import Finding, Judged, judge, summary
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.zero_config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
 
 MAX_INTERVAL = 1000
@@ -129,29 +130,27 @@ class _BucketChecks:
 
 
 class IntegrityChecker:
-    """See the module docstring. ``names``: each bucket's param names (packing order); ``tensors``:
-    what the replica check hashes, ``(name, tensor)``: every param and persistent buffer.
+    """See the module docstring. ``tensors``: what the replica check hashes, ``(name, tensor)``:
+    every param and persistent buffer (``hashed_tensors``). A ``ReductionTap`` of the reducer
+    (``after_pack``, ``after_reduce``).
     """
 
     def __init__(
         self,
         buckets: list[Bucket],
-        names: dict[int, str],
         tensors: list[tuple[str, torch.Tensor]],
+        *,
         comm_dtype: torch.dtype | None,
-        group,
-        rank: int,
-        world_size: int,
-        device: torch.device,
         every: int | str,
         on_mismatch: str,
+        shard: ShardGroup,
     ) -> None:
-        self.buckets, self.names = buckets, names
+        self.buckets = buckets
         self.comm_dtype = comm_dtype
-        self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        self.shard = shard
         self.every = check_verify_every(every)
         self.on_mismatch = on_mismatch
-        self.enabled = self.every != VERIFY_OFF and world_size > 1
+        self.enabled = self.every != VERIFY_OFF and shard.world_size > 1
         self.interval = self.every if isinstance(self.every, int) else 1
         self.step = 1  # the step being taken (the Trainer sets its own numbering)
         self.last_verified = 0  # the newest step whose checks all passed
@@ -175,15 +174,17 @@ class IntegrityChecker:
         self.last_nonfinite: list[tuple[int, str]] = []  # (rank, parameter) of the newest verify step
         if self.enabled:  # everything the hooks need, made here: they read nothing back from the device
             self._checks = [self._bucket_checks(bucket) for bucket in buckets]
-            self._signs = sign_table(max((c.judged.probes for c in self._checks), default=2), device)
-            self._scratch = torch.empty(SCRATCH, dtype=torch.float64, device=device)
+            self._signs = sign_table(max((c.judged.probes for c in self._checks), default=2), shard.device)
+            self._scratch = torch.empty(SCRATCH, dtype=torch.float64, device=shard.device)
             self._replicas = ReplicaHashes(tensors)
 
     def _bucket_checks(self, bucket: Bucket) -> _BucketChecks:
         dtype = self.comm_dtype or bucket.dtype
-        local, own = bucket_plans(bucket, self.world_size, self.rank, self.device)
-        factors = bound_factors(bucket, self.world_size, torch.finfo(dtype).eps / 2, SIGMAS)
-        names = tuple(self.names[id(s)] for s in bucket.slots)
+        local, own = bucket_plans(bucket, shard=self.shard)
+        factors = bound_factors(
+            bucket, world_size=self.shard.world_size, unit_roundoff=torch.finfo(dtype).eps / 2, sigmas=SIGMAS
+        )
+        names = tuple(s.name for s in bucket.slots)
         return _BucketChecks(local, own, Judged(bucket.index, names, 2 if dtype == torch.float32 else 8, factors))
 
     # ------------------------------------------------------------------------ the schedule
@@ -222,18 +223,18 @@ class IntegrityChecker:
             dots, norms = checks.local.sums(flat, self._signs, checks.judged.probes, shift, self._scratch)
             local = torch.cat([dots.flatten(), norms])
             if not divided:  # W is a power of two there: exact in float64, as the collective's scaling is
-                local.mul_(1.0 / self.world_size)
+                local.mul_(1.0 / self.shard.world_size)
             record = _Record(bucket, local, shift)
             self._records.append(record)
             self._pending[bucket.index] = record
             self._spent += time.perf_counter() - start
         if faults.active():
-            faults.transport(self.rank, self.step, bucket.index, flat)
+            faults.transport(flat, rank=self.shard.rank, step=self.step, bucket=bucket.index)
 
     def after_reduce(self, bucket: Bucket, rows: torch.Tensor) -> None:
         """This rank's reduced rows of ``bucket``, right after its collective."""
         if faults.active():
-            faults.reduced(self.rank, self.step, bucket.index, rows)
+            faults.reduced(rows, rank=self.shard.rank, step=self.step, bucket=bucket.index)
         record = self._pending.pop(bucket.index, None)
         if record is not None:
             start = time.perf_counter()
@@ -272,10 +273,11 @@ class IntegrityChecker:
         if self._gathered is None:
             start = time.perf_counter()
             payload = self.payload()
-            gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.float64, device=self.device)
-            comm.all_gather(gathered, payload, self.group)
+            world_size = self.shard.world_size
+            gathered = torch.empty(world_size * payload.numel(), dtype=torch.float64, device=self.shard.device)
+            comm.all_gather(gathered, payload, self.shard.group)
             self.bytes_gathered += gathered.numel() * 8
-            self._gathered = gathered.view(self.world_size, -1)
+            self._gathered = gathered.view(world_size, -1)
             self._spent += time.perf_counter() - start
         return self._gathered
 
@@ -289,8 +291,8 @@ class IntegrityChecker:
         if not self._hashes:
             self._hashes = self._replicas.compute()  # per device (a buffer may live elsewhere)
         parts = [r.local for r in self._records] + [r.own for r in self._records if r.own is not None]
-        parts += [h.to(self.device).view(torch.float64).flatten() for h in self._hashes]
-        parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.device)]
+        parts += [h.to(self.shard.device).view(torch.float64).flatten() for h in self._hashes]
+        parts += [torch.full((1,), float(self._proposal()), dtype=torch.float64, device=self.shard.device)]
         return torch.cat(parts)
 
     def verify_judge(self, table: torch.Tensor) -> Finding | None:
@@ -307,7 +309,7 @@ class IntegrityChecker:
         if not self._verifying or self._finding is not None:
             return self._finding
         numbers = sum(r.local.numel() + (0 if r.own is None else r.own.numel()) for r in self._records)
-        expected = (self.world_size, numbers + 2 * len(self._replicas.names) + 1)
+        expected = (self.shard.world_size, numbers + 2 * len(self._replicas.names) + 1)
         if tuple(table.shape) != expected:
             raise ValueError(
                 f"verify_judge expects verify_launch()'s table on the host, of shape {expected}; got "
@@ -319,7 +321,10 @@ class IntegrityChecker:
         judged = [self._checks[r.bucket.index].judged for r in self._records]
         names = self._replicas.names
         fake = is_fake(table)
-        finding = Finding(self.step) if fake else judge(table, self.step, self.world_size, judged, names)
+        if fake:
+            finding = Finding(self.step)
+        else:
+            finding = judge(table, self.step, world_size=self.shard.world_size, buckets=judged, tensor_names=names)
         self._finding = finding
         self.last_nonfinite = list(dict.fromkeys(finding.nonfinite))
         self.checks += 1

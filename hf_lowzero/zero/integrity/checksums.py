@@ -7,7 +7,7 @@ static layout, when the checker is made.
 Example::
 
     signs = sign_table(probes=2, device=device)             # [PERIOD, 2] float64 of +-1
-    local, own = bucket_plans(bucket, world_size, rank, device)
+    local, own = bucket_plans(bucket, shard=shard)
     dots, norms = local.sums(flat, signs, probes=2, shift=7, scratch=scratch)  # [W * m, 2], [W * m]
     hashes = ReplicaHashes(named_tensors).compute()          # per device: [tensors, 2] int64
 
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 PERIOD = 1 << 17  # rows of the sign table: a segment's signs repeat after this many elements
 SCRATCH = 1 << 19  # float64 elements of scratch a bucket's sums use at most (4 MiB), whatever its size
@@ -190,10 +191,10 @@ def _single(i: int):
     return lambda pieces: (pieces[i],)
 
 
-def bucket_plans(bucket: Bucket, world_size: int, rank: int, device) -> tuple[SegmentPlan, SegmentPlan]:
+def bucket_plans(bucket: Bucket, *, shard: ShardGroup) -> tuple[SegmentPlan, SegmentPlan]:
     """The plans of a bucket's two sides: the packed bucket (outputs per destination rank and param,
-    ``[W * m]``) and this rank's reduced chunk (outputs per param, ``[m]``)."""
-    m = len(bucket.slots)
+    ``[W * m]``) and this rank's reduced chunk (outputs per param, ``[m]``), on the params' device."""
+    m, world_size, rank, device = len(bucket.slots), shard.world_size, shard.rank, shard.device
     if bucket.whole:  # chunk after chunk, each param whole in its owner's chunk (packing order)
         segments = [(s.shard.numel, s.shard.owner * m + j) for j, s in enumerate(bucket.slots)]
         local = SegmentPlan.build(1, bucket.packed_numel, segments, 0, world_size * m, device)
@@ -204,7 +205,7 @@ def bucket_plans(bucket: Bucket, world_size: int, rank: int, device) -> tuple[Se
     return local, SegmentPlan.build(1, bucket.chunks[rank], own, 0, m, device)
 
 
-def bound_factors(bucket: Bucket, world_size: int, unit_roundoff: float, sigmas: float) -> torch.Tensor:
+def bound_factors(bucket: Bucket, *, world_size: int, unit_roundoff: float, sigmas: float) -> torch.Tensor:
     """``[W, m]`` float64 on the host: per owner and param, what the sum of the sources' L2 norms is
     multiplied by to bound the residual ([Note: integrity checks], [Note: segment checksums])."""
     spread = (world_size - 1) * unit_roundoff

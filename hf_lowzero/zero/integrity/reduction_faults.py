@@ -42,7 +42,7 @@ class Fault:
         if self.kind not in KINDS:
             raise ValueError(f"fault kind {self.kind!r} is invalid; expected one of {KINDS}")
 
-    def due(self, rank: int, step: int, bucket: int) -> bool:
+    def due(self, *, rank: int, step: int, bucket: int) -> bool:
         return rank == self.rank and bucket == self.bucket and self.step <= step < self.step + self.times
 
 
@@ -60,18 +60,18 @@ def inject(*faults: Fault) -> Iterator[None]:
             _ACTIVE.remove(fault)
 
 
-def transport(rank: int, step: int, bucket: int, flat: torch.Tensor) -> None:
+def transport(flat: torch.Tensor, *, rank: int, step: int, bucket: int) -> None:
     """A bucket's packed gradients on their way to the collective."""
     for fault in _ACTIVE:
-        if fault.kind in ("drop", "double") and fault.due(rank, step, bucket):
+        if fault.kind in ("drop", "double") and fault.due(rank=rank, step=step, bucket=bucket):
             flat.zero_() if fault.kind == "drop" else flat.mul_(2)
             fault.fired += 1
 
 
-def reduced(rank: int, step: int, bucket: int, rows: torch.Tensor) -> None:
+def reduced(rows: torch.Tensor, *, rank: int, step: int, bucket: int) -> None:
     """A bucket's reduced rows on this rank, right after the collective."""
     for fault in _ACTIVE:
-        if fault.kind == "flip" and fault.due(rank, step, bucket):
+        if fault.kind == "flip" and fault.due(rank=rank, step=step, bucket=bucket):
             flip_bit(rows, fault.element, fault.bit)
             fault.fired += 1
 

@@ -42,7 +42,9 @@ class Judged:
     factors: torch.Tensor  # [W, m] float64, on the host
 
 
-def judge(table: torch.Tensor, step: int, world_size: int, buckets: list[Judged], tensor_names: list[str]) -> Finding:
+def judge(
+    table: torch.Tensor, step: int, *, world_size: int, buckets: list[Judged], tensor_names: list[str]
+) -> Finding:
     """Judge a verify step's ``table`` (``[W, n]`` float64 on the host: each rank's row is, per
     reduced bucket in ``buckets``' order, its dots per destination, param and probe and their norms;
     then per bucket the owner's dots; then two int64 words per hashed tensor; then one number).

@@ -74,7 +74,7 @@ class Reduction:
 
 
 def plan_buckets(
-    slots: list[ParamSlot], bucket_bytes: int, comm_dtype: torch.dtype | None, rank: int = 0
+    slots: list[ParamSlot], bucket_bytes: int, comm_dtype: torch.dtype | None, *, rank: int = 0
 ) -> list[Bucket]:
     """Assign params to buckets in reverse registration order (which approximates backward order).
 

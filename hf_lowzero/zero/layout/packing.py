@@ -8,10 +8,10 @@ store are laid out in it.
 
 Example::
 
-    pack_bucket(bucket, flat, world_size)            # p.grad of every param -> rank-major chunks
+    pack_bucket(bucket, flat, world_size=W)          # p.grad of every param -> rank-major chunks
     bucket_view(store.flat, bucket)                  # this rank's chunk of the bucket
     piece_view(master.flat, slot)                    # this rank's piece of one param
-    unpack_bucket(bucket, gathered, world_size)      # every rank's chunks -> the params
+    unpack_bucket(bucket, gathered, world_size=W)    # every rank's chunks -> the params
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PackPlan:
     chunks: int  # W for row shards, 1 for whole params (plain concatenation)
 
 
-def pack_plan(bucket: Bucket, world_size: int) -> PackPlan:
+def pack_plan(bucket: Bucket, *, world_size: int) -> PackPlan:
     chunks = 1 if bucket.whole else world_size
     flatten = tuple(
         i
@@ -79,6 +79,7 @@ def pack_plan(bucket: Bucket, world_size: int) -> PackPlan:
 def pack_bucket(
     bucket: Bucket,
     flat: torch.Tensor,
+    *,
     world_size: int,
     plan: PackPlan | None = None,
     grads: list | None = None,
@@ -94,7 +95,7 @@ def pack_bucket(
     yields the average, unless ``divide`` is False (the collective divides: [Note: the divide in the
     collective] in ``runtime/comm.py``). ``plan`` is :func:`pack_plan` of the bucket, built once by the caller.
     """
-    plan = plan or pack_plan(bucket, world_size)
+    plan = plan or pack_plan(bucket, world_size=world_size)
     grads = list(map(GRAD, plan.params)) if grads is None else list(grads)
     if missing_any(grads):
         grads = [
@@ -122,7 +123,7 @@ class UnpackPlan:
     padded: tuple[int, ...]  # positions of the None entries
 
 
-def unpack_targets(bucket: Bucket, world_size: int) -> UnpackPlan:
+def unpack_targets(bucket: Bucket, *, world_size: int) -> UnpackPlan:
     """The :class:`UnpackPlan` of ``bucket``. Row shards: a param whose numel divides by W receives
     its rows through a ``[W, shard_numel]`` view of itself. Whole params: their flat views."""
     if bucket.whole:
@@ -137,7 +138,9 @@ def unpack_targets(bucket: Bucket, world_size: int) -> UnpackPlan:
 
 
 @torch.no_grad()
-def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, world_size: int, targets: UnpackPlan | None = None) -> None:
+def unpack_bucket(
+    bucket: Bucket, gathered: torch.Tensor, *, world_size: int, targets: UnpackPlan | None = None
+) -> None:
     """Copy a gathered rank-major bucket (``packed_numel`` flat) into its params.
 
     Row shards (``[W, row_numel]``): one ``split_with_sizes_copy`` kernel writes every param whose
@@ -145,7 +148,7 @@ def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, world_size: int, targe
     padding. ``targets`` is :func:`unpack_targets` of the bucket, built once by the caller. Whole
     params: the bucket is the params back to back, one ``split_with_sizes_copy`` into them all.
     """
-    plan = unpack_targets(bucket, world_size) if targets is None else targets
+    plan = unpack_targets(bucket, world_size=world_size) if targets is None else targets
     if bucket.whole:
         torch.split_with_sizes_copy(gathered, list(plan.sizes), out=list(plan.outs))
         return

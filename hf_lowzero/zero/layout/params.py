@@ -90,7 +90,7 @@ def check_unchanged(slots: list[ParamSlot]) -> None:
 
 
 def managed_slots(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int, whole: bool = False
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, whole: bool = False
 ) -> list[ParamSlot]:
     """Validate that ``optimizer`` holds exactly ``model``'s trainable params; one slot each, split
     in rows or (``whole``) owned whole by one rank each ([Note: two ways to own a parameter])."""
@@ -125,8 +125,10 @@ def managed_slots(
     for n, p in trainable:
         if not p.is_floating_point() or not p.is_contiguous():
             raise ValueError(f"parameter {n!r} must be a contiguous floating-point tensor (got {p.dtype})")
-    owners = assign_owners([p.numel() for _, p in trainable], world_size) if whole else [None] * len(trainable)
+    owners = (
+        assign_owners([p.numel() for _, p in trainable], world_size=world_size) if whole else [None] * len(trainable)
+    )
     return [
-        ParamSlot(index=i, name=n, param=p, shard=ParamShard(p.numel(), world_size, owner))
+        ParamSlot(index=i, name=n, param=p, shard=ParamShard(p.numel(), world_size=world_size, owner=owner))
         for i, ((n, p), owner) in enumerate(zip(trainable, owners))
     ]

@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 import torch
 
 
-def padded_numel(numel: int, world_size: int) -> int:
+def padded_numel(numel: int, *, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size``."""
     return -(-numel // world_size) * world_size
 
 
-def assign_owners(numels: list[int], world_size: int) -> list[int]:
+def assign_owners(numels: list[int], *, world_size: int) -> list[int]:
     """One owner per tensor: largest first (ties by position), each to the rank holding the fewest
     elements so far (ties to the lowest rank). Deterministic: every rank computes the same plan."""
     load = [0] * world_size
@@ -66,8 +66,8 @@ class ParamShard:
     (``owner`` None) or whole to ``owner``."""
 
     numel: int
-    world_size: int
-    owner: int | None = None
+    world_size: int = field(kw_only=True)
+    owner: int | None = field(default=None, kw_only=True)
     padded_numel: int = field(init=False)
     shard_numel: int = field(init=False)  # rows: length of every rank's row, padding included
     padding: int = field(init=False)
@@ -78,7 +78,7 @@ class ParamShard:
         if self.owner is not None and not 0 <= self.owner < self.world_size:
             raise ValueError(f"owner {self.owner} is not a rank of a world of size {self.world_size}")
         # Fixed per parameter and read on every step: computed once.
-        padded = self.numel if self.whole else padded_numel(self.numel, self.world_size)
+        padded = self.numel if self.whole else padded_numel(self.numel, world_size=self.world_size)
         object.__setattr__(self, "padded_numel", padded)
         object.__setattr__(self, "shard_numel", self.numel if self.whole else padded // self.world_size)
         object.__setattr__(self, "padding", padded - self.numel)

@@ -3,7 +3,7 @@ reader of the params passes while gathers are in flight.
 
 Example::
 
-    gather = ParamGather(slots, buckets, master, world_size=W, group=group, pool=pool, defer=True)
+    gather = ParamGather(slots, buckets, master.flat, master.gate, pool=pool, defer=True, shard=shard)
     gather.issue()             # after the inner step: every bucket's gather in flight, forward order
     model(**batch)             # each module's first use waits for its buckets' gathers alone
     gather.wait_all()          # anything else that reads params: every gather landed
@@ -64,6 +64,7 @@ from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.write_gate import WriteGate
 
 MAX_GATHERS_IN_FLIGHT = 2  # without deferral: bounds the transient all-gather buffers
@@ -93,17 +94,15 @@ class ParamGather:
         flat: torch.Tensor,
         gate: WriteGate,
         *,
-        world_size: int,
-        group,
-        device: torch.device,
         pool: BufferPool,
         defer: bool,
+        shard: ShardGroup,
     ) -> None:
         self.slots, self.buckets, self.flat, self.gate = slots, buckets, flat, gate
-        self.world_size, self.group, self.device, self.pool = world_size, group, device, pool
-        self.defer = defer and world_size > 1  # one rank gathers nothing: the copy is the unpack
+        self.shard, self.pool = shard, pool
+        self.defer = defer and shard.world_size > 1  # one rank gathers nothing: the copy is the unpack
         self.pending: dict[int, Gather] = {}  # bucket index -> its gather in flight (deferred)
-        self._targets: list[UnpackPlan] = [unpack_targets(b, world_size) for b in buckets]
+        self._targets: list[UnpackPlan] = [unpack_targets(b, world_size=shard.world_size) for b in buckets]
         self._params = [[s.param for s in b.slots] for b in buckets]
         self._names = [[s.name for s in b.slots] for b in buckets]
         self._hooks: list = []
@@ -116,7 +115,7 @@ class ParamGather:
         given): return with them in flight; otherwise wait for each (at most
         MAX_GATHERS_IN_FLIGHT at once) and return with the params current."""
         self.wait_all()  # a gather never overlaps the next one into the same params
-        defer = self.defer if defer is None else defer and self.world_size > 1
+        defer = self.defer if defer is None else defer and self.shard.world_size > 1
         in_flight: list[Gather] = []
         with dev.phase("gather"):
             for bucket in reversed(self.buckets):  # the forward's order ([Note: overlapped all-gather])
@@ -131,8 +130,8 @@ class ParamGather:
                     self._finish(in_flight.pop(0))
             for gather in in_flight:
                 self._finish(gather)
-        if self.flat.device != self.device:  # host rows were read by copies on the device's stream
-            self.gate.read_by(dev.record_event(dev.current_stream(self.device)))
+        if self.flat.device != self.shard.device:  # host rows were read by copies on the device's stream
+            self.gate.read_by(dev.record_event(dev.current_stream(self.shard.device)))
 
     def _start(self, bucket: Bucket) -> Gather | None:
         master_rows = bucket_view(self.flat, bucket)
@@ -140,17 +139,17 @@ class ParamGather:
         if rows.dtype != bucket.dtype:
             rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
         copied = rows is not master_rows  # identity, not data_ptr(): this runs under FakeTensorMode too
-        if self.world_size == 1:  # the rows are the whole params: nothing to gather
+        if self.shard.world_size == 1:  # the rows are the whole params: nothing to gather
             with record_function("hf_lowzero::unpack_bucket"):
-                unpack_bucket(bucket, rows, 1, self._targets[bucket.index])
+                unpack_bucket(bucket, rows, world_size=1, targets=self._targets[bucket.index])
             if copied:
                 self.pool.give(rows)
             return None
         out = self.pool.take(bucket.packed_numel, bucket.dtype, bucket.device)
         if not bucket.whole:
-            work = comm.all_gather(out, rows, self.group, async_op=True)
+            work = comm.all_gather(out, rows, self.shard.group, async_op=True)
         else:
-            work = comm.gather_from_owners(out, rows, list(bucket.chunks), self.group, async_op=True)
+            work = comm.gather_from_owners(out, rows, list(bucket.chunks), self.shard.group, async_op=True)
         dev.mark_stale(self._params[bucket.index], self._names[bucket.index])
         return Gather(bucket, work, rows, out, copied)
 
@@ -160,7 +159,7 @@ class ParamGather:
         bucket = gather.bucket
         dev.mark_current(self._params[bucket.index])
         with record_function("hf_lowzero::unpack_bucket"):
-            unpack_bucket(bucket, gather.out, self.world_size, self._targets[bucket.index])
+            unpack_bucket(bucket, gather.out, world_size=self.shard.world_size, targets=self._targets[bucket.index])
         self.pool.give(gather.out)
         if gather.copied:
             self.pool.give(gather.chunk)
@@ -236,7 +235,7 @@ class ParamGather:
         self._hooks = []
 
 
-def stale_read_message(names: list[str], rank: int) -> str:
+def stale_read_message(names: list[str], *, rank: int) -> str:
     """The error of a step whose forward read params before their gathers landed (``names``: this
     rank's; none: another rank's)."""
     where = (

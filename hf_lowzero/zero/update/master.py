@@ -8,7 +8,7 @@ inner optimizer then steps them.
 
 Example::
 
-    master = MasterRows(slots, buckets, rank=rank, device=device, offload=False, pin_memory=True)
+    master = MasterRows(slots, buckets, offload=False, pin_memory=True, shard=shard)
     master.rows[slot.index]        # 1D view (fp32 by default) of this rank's piece (padding included; may be empty)
     master.copy_from_params()      # re-read this rank's rows from the params (local)
 """
@@ -21,6 +21,7 @@ from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.packing import piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.write_gate import WriteGate
 
 
@@ -30,20 +31,19 @@ class MasterRows:
         slots: list[ParamSlot],
         buckets: list[Bucket],
         *,
-        rank: int,
-        device: torch.device,
         offload: bool,
         pin_memory: bool,
         dtype: torch.dtype = torch.float32,
+        shard: ShardGroup,
     ) -> None:
-        self.slots, self.rank, self.device = slots, rank, device
+        self.slots, self.shard = slots, shard
         total = sum(b.row_numel for b in buckets)
         if offload:
-            self.flat = dev.host_buffer(total, dtype, pin_memory and device.type == "cuda")
+            self.flat = dev.host_buffer(total, dtype, pin_memory and shard.device.type == "cuda")
         else:
-            self.flat = torch.zeros(total, dtype=dtype, device=device)
+            self.flat = torch.zeros(total, dtype=dtype, device=shard.device)
         # Every writer of the rows (and of the optimizer state beside them) passes this gate first.
-        self.gate = WriteGate(device, host_resident=offload)
+        self.gate = WriteGate(device=shard.device, host_resident=offload)
         self.rows = [piece_view(self.flat, s) for s in slots]
         self.copy_from_params()
 
@@ -52,5 +52,5 @@ class MasterRows:
         """Re-read every row from the model's params (this rank's slice of each). Local."""
         self.gate.before_write()
         for slot, row in zip(self.slots, self.rows):
-            start, end = slot.shard.owned_range(self.rank)
+            start, end = slot.shard.owned_range(self.shard.rank)
             row[: end - start].copy_(slot.param.view(-1)[start:end])

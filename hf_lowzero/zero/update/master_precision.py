@@ -3,7 +3,7 @@ back into masters kept in bf16.
 
 Example::
 
-    precision = make_master_precision(master.flat, slots, "stochastic", seed=0, rank=rank)
+    precision = make_master_precision(master.flat, slots, "stochastic", seed=0, shard=shard)
     rows = precision.step_rows            # per slot: the fp32 tensor the inner optimizer steps
     with precision.stepping():            # bf16: fp32 scratch allocated, filled, rounded back, freed
         inner_optimizer.step()
@@ -37,6 +37,7 @@ import torch
 
 from hf_lowzero.zero.layout.packing import piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 STEP_DTYPE = torch.float32  # what the inner optimizer computes in, whatever the masters' dtype
 ROUNDING_CHUNK = 1 << 20  # elements rounded at once: bounds the int32 noise buffer of a step
@@ -91,7 +92,9 @@ class Bf16Masters:
     """bf16 masters stepped through an fp32 scratch that exists only during the step
     ([Note: bf16 masters])."""
 
-    def __init__(self, flat: torch.Tensor, slots: list[ParamSlot], rounding: str, seed: int, rank: int) -> None:
+    def __init__(
+        self, flat: torch.Tensor, slots: list[ParamSlot], rounding: str, seed: int, *, shard: ShardGroup
+    ) -> None:
         self.masters = flat  # 1D bf16, the owned space
         self.scratch = torch.empty(flat.shape, dtype=STEP_DTYPE, device=flat.device)  # 1D fp32, same layout
         self._nbytes = self.scratch.untyped_storage().nbytes()
@@ -101,7 +104,7 @@ class Bf16Masters:
         self.generator = None
         if rounding == "stochastic":
             self.generator = torch.Generator(device=flat.device)
-            self.generator.manual_seed(seed * 1_000_003 + rank)
+            self.generator.manual_seed(seed * 1_000_003 + shard.rank)
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
@@ -125,10 +128,10 @@ class Bf16Masters:
 
 
 def make_master_precision(
-    flat: torch.Tensor, slots: list[ParamSlot], rounding: str, seed: int, rank: int
+    flat: torch.Tensor, slots: list[ParamSlot], rounding: str, seed: int, *, shard: ShardGroup
 ) -> FullPrecisionMasters | Bf16Masters:
     """The precision policy for master rows ``flat`` (its dtype decides; ``ZeroConfig`` validated
     ``rounding``, which only bf16 masters use)."""
     if flat.dtype == STEP_DTYPE:
         return FullPrecisionMasters(flat, slots)
-    return Bf16Masters(flat, slots, rounding, seed, rank)
+    return Bf16Masters(flat, slots, rounding, seed, shard=shard)

@@ -3,7 +3,7 @@ the one unscale-and-clip factor, masking params used on no rank, and skipping a 
 
 Example::
 
-    stats = StepStats(len(slots), device, group)
+    stats = StepStats(len(slots), shard=shard)
     verdict = stats.decide(reduced_chunks, sync.used, stale_reads=0)   # collective, one host sync
     coef = unscale_clip_coef(verdict.scaled_norm / loss_scale, clip=1.0, loss_scale=loss_scale)
     scale_rows(reduced_chunks, coef)          # [Note: one multiply]
@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hf_lowzero.zero.grads.norm import blocked_squared_norm, float64_squared_norm
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.loss_scaler import ConstantScale, DynamicLossScaler
 from hf_lowzero.zero.zero_config import ZeroConfig
 
@@ -65,10 +66,10 @@ class StepVerdict:
 class StepStats:
     """The buffers of [Note: one host sync per step] for ``slots`` params on ``device``."""
 
-    def __init__(self, slots: int, device: torch.device, group) -> None:
-        self.device, self.group, self.slots = device, group, slots
+    def __init__(self, slots: int, *, shard: ShardGroup) -> None:
+        self.shard, self.slots = shard, slots
         # [squared norm, stale reads, used flags...]; written by the host, read by a non-blocking copy
-        self.host = dev.host_buffer(2 + slots, torch.float64, pin=dev.is_cuda(device))
+        self.host = dev.host_buffer(2 + slots, torch.float64, pin=dev.is_cuda(shard.device))
 
     def decide(
         self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None
@@ -83,10 +84,10 @@ class StepStats:
         self.host[2:].copy_(used)
         if not dev.is_cuda(square_sum.device):  # the CPU, or offloaded rows: a host value like the flags
             self.host[:1].copy_(square_sum)
-        stats = self.host.to(self.device, non_blocking=True)  # the same tensor on the CPU
+        stats = self.host.to(self.shard.device, non_blocking=True)  # the same tensor on the CPU
         if dev.is_cuda(square_sum.device):
             stats[:1].copy_(square_sum)
-        comm.all_reduce(stats, self.group)
+        comm.all_reduce(stats, self.shard.group)
         if extra is None:
             back, extra_back = stats.cpu(), None
         else:
@@ -94,8 +95,8 @@ class StepStats:
             back, extra_back = both[: stats.numel()], both[stats.numel() :]
         total = back[0].item()
         if not math.isfinite(total):  # every rank sees the same total: all recompute together
-            exact = float64_squared_norm(rows).reshape(1).to(self.device)
-            comm.all_reduce(exact, self.group)
+            exact = float64_squared_norm(rows).reshape(1).to(self.shard.device)
+            comm.all_reduce(exact, self.shard.group)
             total = exact.item()
         stale_reads = 0 if is_fake(back) else int(back[1].item())  # a simulation: no values (it checks reads itself)
         return StepVerdict(math.sqrt(total), back[2:] > 0, stale_reads, extra_back)

@@ -33,7 +33,7 @@ class WriteGate:
     """Orders every write of the shard after the asynchronous reads in flight ([Note: one gate for
     the shard's writers])."""
 
-    def __init__(self, device: torch.device, host_resident: bool) -> None:
+    def __init__(self, *, device: torch.device, host_resident: bool) -> None:
         self.device = device  # the params' device: its compute stream runs device-side writes
         self.host_resident = host_resident
         self._readers: list = []  # events of copies that may still read the shard
