@@ -41,10 +41,10 @@ from hf_lowzero.zero.inner.adopt import adopt_inner_optimizer, held_piece
 from hf_lowzero.zero.inner.groups import HOOK_TABLES, ParamGroups
 from hf_lowzero.zero.inner.policy import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
 from hf_lowzero.zero.inner.shard_state import ShardParts, load_shard_state, shard_state_dict
-from hf_lowzero.zero.integrity.checker import IntegrityChecker
+from hf_lowzero.zero.integrity.checker import IntegrityChecker, hashed_tensors
 from hf_lowzero.zero.layout.buckets import plan_buckets
 from hf_lowzero.zero.layout.packing import holding_any
-from hf_lowzero.zero.layout.params import WrapGuard, canonical_name, managed_slots
+from hf_lowzero.zero.layout.params import WrapGuard, managed_slots
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
@@ -66,24 +66,6 @@ from hf_lowzero.zero.update.step import (
 from hf_lowzero.zero.zero_config import ZeroConfig
 
 logger = logging.getLogger(__name__)
-
-
-def hashed_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What the replica check compares ([Note: integrity checks]): every parameter, trainable and
-    frozen (tied ones once), and every persistent buffer, by name.
-
-    Args:
-        model: The model.
-
-    Returns:
-        ``(name, tensor)`` pairs, by canonical (uncompiled) name.
-    """
-    tensors = [(canonical_name(n), p) for n, p in model.named_parameters()]
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                tensors.append((canonical_name(f"{module_name}.{name}" if module_name else name), buffer))
-    return tensors
 
 
 def check_inner_optimizer(optimizer: object) -> None:

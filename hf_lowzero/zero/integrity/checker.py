@@ -79,6 +79,7 @@ from hf_lowzero.zero.integrity.checksums import (
 )
 from hf_lowzero.zero.integrity.verdict import Finding, Judged, judge, summary
 from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.params import canonical_name
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.zero_config import AUTO_OVERHEAD, VERIFY_AUTO, VERIFY_OFF, check_verify_every
@@ -108,6 +109,24 @@ class IntegrityError(RuntimeError):
 
     def __reduce__(self):  # picklable with its fields (Ray sends exceptions across processes)
         return (type(self), (str(self), self.step, self.ranks, self.names, self.kind))
+
+
+def hashed_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What the replica check compares ([Note: integrity checks]): every parameter, trainable and
+    frozen (tied ones once), and every persistent buffer, by name.
+
+    Args:
+        model: The model.
+
+    Returns:
+        ``(name, tensor)`` pairs, by canonical (uncompiled) name.
+    """
+    tensors = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                tensors.append((canonical_name(f"{module_name}.{name}" if module_name else name), buffer))
+    return tensors
 
 
 @dataclass
