@@ -37,13 +37,13 @@ from torch.profiler import record_function
 from hf_lowzero.zero.grads.backward import BackwardSync
 from hf_lowzero.zero.grads.grad_store import make_grad_store
 from hf_lowzero.zero.grads.reducer import BucketReducer
-from hf_lowzero.zero.inner.adopt import adopt_inner_optimizer, held_piece
+from hf_lowzero.zero.inner.adopt import adopt_inner_optimizer
 from hf_lowzero.zero.inner.groups import HOOK_TABLES, ParamGroups
 from hf_lowzero.zero.inner.policy import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
 from hf_lowzero.zero.inner.shard_state import ShardParts, load_shard_state, shard_state_dict
 from hf_lowzero.zero.integrity.checker import IntegrityChecker, hashed_tensors
 from hf_lowzero.zero.layout.buckets import plan_buckets
-from hf_lowzero.zero.layout.packing import holding_any
+from hf_lowzero.zero.layout.packing import holding_any, inner_view
 from hf_lowzero.zero.layout.params import WrapGuard, managed_slots
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
@@ -162,11 +162,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.master.flat, self.slots, cfg.master_rounding, cfg.master_rounding_seed, shard=shard
         )
 
-        # Per slot: the tensor the inner optimizer steps (a master row, or an owned param's master
-        # in its shape; None for a param owned elsewhere; an fp32 scratch view with bf16 masters)
-        # and its gradient, fixed views of the stores.
-        self._inner_params = [held_piece(slot, self._precision.step_rows[slot.index]) for slot in self.slots]
-        self._inner_grads = [held_piece(slot, self.reducer.store.piece(slot)) for slot in self.slots]
+        # Per slot: its inner param and that one's gradient, fixed views of the stores ([Note: inner params]).
+        self._inner_params = self._precision.inner_params
+        self._inner_grads = [inner_view(slot, self.reducer.store.piece(slot)) for slot in self.slots]
         self._unused_mask = UnusedMask(self._inner_params, self._inner_grads)
         if self.master.flat.device.type == "cpu":
             prefer_fused_on_cpu(optimizer)
@@ -180,7 +178,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.counts = SkipCounts()
         self._shard = ShardParts(
             slot_at=self._slot_at,
-            held=self._inner_params,
+            inner_params=self._inner_params,
             master_rows=self.master.rows,
             optim=optimizer,
             groups=self._groups,
@@ -233,9 +231,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """The inner optimizer's state of this rank's rows, keyed by the model's params (read view)."""
-        inner, held = self.optim.state, self._inner_params
+        state, inner_params = self.optim.state, self._inner_params
         return {
-            s.param: inner[held[s.index]] for s in self._slot_at if held[s.index] is not None and held[s.index] in inner
+            s.param: state[inner_params[s.index]]
+            for s in self._slot_at
+            if inner_params[s.index] is not None and inner_params[s.index] in state
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

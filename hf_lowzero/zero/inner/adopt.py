@@ -1,16 +1,22 @@
-"""Re-pointing the inner optimizer at this rank's masters: what it steps instead of each param.
-
-After adoption the inner optimizer's groups hold, per param, this rank's master piece (a 1D row
-with row shards; the param's shape when owned whole) and nothing for params owned elsewhere
-([Note: two sets of param groups] in ``groups.py``). Each master's ``.grad`` is a fixed view of the
-gradient store, set once.
+"""Re-pointing the inner optimizer at this rank's masters: its inner params instead of the model's.
 
 Example::
 
-    held = [held_piece(s, precision.step_rows[s.index]) for s in slots]   # fp32: the master rows
-    grads = [held_piece(s, store.piece(s)) for s in slots]
-    adopt_inner_optimizer(optimizer, slots, held, grads, rank=rank)
-    optimizer.param_groups[0]["params"]   # the held pieces, not the model's params
+    inner_params = precision.inner_params                         # fp32 masters: views of the master rows
+    inner_grads = [inner_view(s, store.piece(s)) for s in slots]
+    adopt_inner_optimizer(optimizer, slots, inner_params, inner_grads, rank=rank)
+    optimizer.param_groups[0]["params"]   # the inner params, not the model's params
+
+# [Note: inner params]
+# The inner optimizer steps one tensor per managed param that this rank owns a piece of, its
+# *inner param*: this rank's master row (row shards, 1D), or the owned param's master in the param's
+# shape (whole-parameter ownership); None for a param owned elsewhere (``layout.packing.inner_view``).
+# With bf16 masters they are fp32 views of the step's scratch ([Note: bf16 masters] in
+# ``update/master_precision.py``). They are fixed at construction, so they key the inner
+# optimizer's state for good. Each one's ``.grad`` is the same view of the gradient store, set
+# once (a step masks params used on no rank by setting it to None: ``update.step.UnusedMask``).
+# After adoption the inner optimizer's groups hold the inner params, in the groups and order the
+# model's params had ([Note: two sets of param groups] in ``groups.py``).
 """
 
 from __future__ import annotations
@@ -21,47 +27,41 @@ from hf_lowzero.zero.inner.policy import carry_bitsandbytes_overrides
 from hf_lowzero.zero.layout.params import ParamSlot
 
 
-def held_piece(slot: ParamSlot, row: torch.Tensor) -> torch.Tensor | None:
-    """What the inner optimizer sees of ``row`` (this rank's piece of ``slot``): the row itself
-    (row shards), the param's shape (owned whole), or None (owned by another rank)."""
-    if not slot.shard.whole:
-        return row
-    return row.view(slot.param.shape) if slot.row_numel else None
-
-
 def adopt_inner_optimizer(
     optimizer: torch.optim.Optimizer,
     slots: list[ParamSlot],
-    held: list[torch.Tensor | None],
-    grads: list[torch.Tensor | None],
+    inner_params: list[torch.Tensor | None],
+    inner_grads: list[torch.Tensor | None],
     *,
     rank: int,
 ) -> None:
-    """Replace every managed param in ``optimizer``'s groups by its held piece (``held``, per slot)
-    and give each piece its gradient view. State the inner optimizer's constructor created for a
-    param (Adagrad's ``sum``) moves to its piece: this rank's slice of each element-wise tensor, as
-    the row slices the param, or the whole of it."""
-    for master, grad in zip(held, grads):
-        if master is not None:
-            master.grad = grad  # for good: a step masks the params used on no rank (UnusedMask)
+    """Replace every managed param in ``optimizer``'s groups by its inner param (``inner_params``,
+    per slot; [Note: inner params]) and give each its gradient view (``inner_grads``). State the
+    inner optimizer's constructor created for a param (Adagrad's ``sum``) moves to its inner param:
+    this rank's slice of each element-wise tensor, as the row slices the param, or the whole of it."""
+    for inner_param, grad in zip(inner_params, inner_grads):
+        if inner_param is not None:
+            inner_param.grad = grad  # for good: a step masks the params used on no rank (UnusedMask)
     slot_of = {id(slot.param): slot for slot in slots}
     for group in optimizer.param_groups:
         adopted = []
         for slot in (slot_of[id(p)] for p in group["params"]):
-            master = held[slot.index]
-            if master is None:
+            inner_param = inner_params[slot.index]
+            if inner_param is None:
                 continue
             created = optimizer.state.pop(slot.param, None)
             if created:
-                optimizer.state[master] = {
-                    key: _piece_of(value, slot, master, rank=rank) for key, value in created.items()
+                optimizer.state[inner_param] = {
+                    key: _piece_of(value, slot, inner_param, rank=rank) for key, value in created.items()
                 }
-            adopted.append(master)
+            adopted.append(inner_param)
         group["params"] = adopted
-    carry_bitsandbytes_overrides(optimizer, {id(s.param): held[s.index] for s in slots if held[s.index] is not None})
+    carry_bitsandbytes_overrides(
+        optimizer, {id(s.param): inner_params[s.index] for s in slots if inner_params[s.index] is not None}
+    )
 
 
-def _piece_of(value, slot: ParamSlot, master: torch.Tensor, *, rank: int):
+def _piece_of(value, slot: ParamSlot, inner_param: torch.Tensor, *, rank: int):
     if isinstance(value, torch.Tensor) and value.shape == slot.param.shape:
-        return slot.shard.row_of(value, rank).to(master).view(master.shape)
+        return slot.shard.row_of(value, rank).to(inner_param).view(inner_param.shape)
     return value.clone() if isinstance(value, torch.Tensor) else value

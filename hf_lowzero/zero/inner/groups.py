@@ -3,12 +3,12 @@
 # [Note: two sets of param groups]
 # ``opt.param_groups`` is what torch.optim code sees: the model's own parameters, in the groups
 # and order the inner optimizer was built with, with their hyperparameters. The inner optimizer
-# keeps the same groups over this rank's fp32 master rows. Hyperparameters may be changed on
-# either side: by code holding the ZeRO optimizer (LR schedulers, Trainer, user code) or by code
-# holding the inner one (a scheduler built before wrapping, a Trainer given
-# ``optimizers=(inner, scheduler)``). Before every step, every ``state_dict()`` and every read of
-# ``opt.param_groups``, each key changed on one side only since the last sync is copied to the
-# other; a key changed on both sides takes the outer value.
+# keeps the same groups over this rank's inner params ([Note: inner params] in ``adopt.py``):
+# views of its master rows. Hyperparameters may be changed on either side: by code holding the
+# ZeRO optimizer (LR schedulers, Trainer, user code) or by code holding the inner one (a scheduler
+# built before wrapping, a Trainer given ``optimizers=(inner, scheduler)``). Before every step,
+# every ``state_dict()`` and every read of ``opt.param_groups``, each key changed on one side only
+# since the last sync is copied to the other; a key changed on both sides takes the outer value.
 
 Example::
 
@@ -100,7 +100,7 @@ class ParamGroups:
 
     def freeze_sizes(self) -> None:
         """Remember how many params each group holds on both sides (once the inner optimizer holds
-        the masters); ``check_sizes`` refuses any change."""
+        its inner params); ``check_sizes`` refuses any change."""
         self._sizes = self._current_sizes()
 
     def check_sizes(self) -> None:

@@ -114,14 +114,14 @@ def prefer_fused_on_cpu(optimizer: torch.optim.Optimizer) -> None:
             group["fused"] = True
 
 
-def carry_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> None:
-    """Point bitsandbytes' per-parameter overrides at the masters that replaced the params.
+def carry_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, inner_param_of: dict[int, torch.Tensor]) -> None:
+    """Point bitsandbytes' per-parameter overrides at the inner params that replaced the params.
 
     bitsandbytes optimizers take per-parameter settings from a process-wide manager: registered by
     module and attribute (``Trainer`` asks for 32-bit states of every ``nn.Embedding`` this way) and
     resolved at the first step by identity with the tensors in the param groups, then looked up by
-    (group, position). Those tensors are now this rank's masters (``master_of``: id of the model's
-    param -> master), at positions of their own: resolve the overrides for them here, as the first
+    (group, position). Those tensors are now this rank's inner params (``inner_param_of``: id of
+    the model's param -> its inner param), at positions of their own: resolve the overrides for them here, as the first
     step would have for the model's params. Optimizers of other libraries are left alone.
     """
     manager = getattr(optimizer, "mng", None)
@@ -130,10 +130,10 @@ def carry_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, master_of: di
         return
     position = {id(p): (g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
     for module, attr, config in triples:
-        master = master_of.get(id(getattr(module, attr, None)))
-        if master is not None and id(master) in position:
-            manager.pid2config[id(master)] = config
-            manager.index2config[position[id(master)]] = config
+        inner_param = inner_param_of.get(id(getattr(module, attr, None)))
+        if inner_param is not None and id(inner_param) in position:
+            manager.pid2config[id(inner_param)] = config
+            manager.index2config[position[id(inner_param)]] = config
 
 
 def check_fresh_optimizer(optimizer: object) -> None:

@@ -54,7 +54,7 @@ class ShardParts:
     """What one rank's shard is made of, as the optimizer holds it (fixed at construction)."""
 
     slot_at: list[ParamSlot]  # by position: torch's numbering (groups in order, params in order)
-    held: list[torch.Tensor | None]  # per slot index: the tensor the inner optimizer steps, or None
+    inner_params: list[torch.Tensor | None]  # per slot index, or None ([Note: inner params] in ``adopt.py``)
     master_rows: list[torch.Tensor]  # per slot index: 1D, this rank's piece in the masters' dtype
     optim: torch.optim.Optimizer
     groups: ParamGroups
@@ -154,8 +154,8 @@ def shard_state_dict(parts: ShardParts) -> dict[str, Any]:
     inner = parts.optim.state
     state = {}
     for pos, slot in enumerate(parts.slot_at):
-        held = parts.held[slot.index]
-        entry = inner.get(held) if held is not None else None
+        inner_param = parts.inner_params[slot.index]
+        entry = inner.get(inner_param) if inner_param is not None else None
         if entry:
             state[pos] = dict(entry)
     parts.groups.sync()
@@ -203,9 +203,9 @@ def load_shard_state(parts: ShardParts, state_dict: dict[str, Any]) -> None:
     saved_groups = state_dict["param_groups"]
     skipped = (*NOT_HYPERPARAMETERS, *KERNEL_CHOICES)
     hyper = [{k: v for k, v in g.items() if k not in skipped} for g in saved_groups]
-    # Positions of the params this rank holds, renumbered as the inner optimizer lists them.
-    held = [pos for pos, s in enumerate(parts.slot_at) if parts.held[s.index] is not None]
-    inner_pos = {pos: i for i, pos in enumerate(held)}
+    # Positions of the params this rank has an inner param for, renumbered as the inner optimizer lists them.
+    stepped = [pos for pos, s in enumerate(parts.slot_at) if parts.inner_params[s.index] is not None]
+    inner_pos = {pos: i for i, pos in enumerate(stepped)}
     kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in parts.optim.param_groups]
     inner_groups = [
         dict(h, **kernel, params=[inner_pos[p] for p in g["params"] if p in inner_pos])

@@ -11,6 +11,7 @@ Example::
     pack_bucket(bucket, flat, world_size=W)          # p.grad of every param -> rank-major chunks
     bucket_view(store.flat, bucket)                  # this rank's chunk of the bucket
     piece_view(master.flat, slot)                    # this rank's piece of one param
+    inner_view(slot, piece_view(master.flat, slot))  # that piece as the inner optimizer steps it
     unpack_bucket(bucket, gathered, world_size=W)    # every rank's chunks -> the params
 """
 
@@ -34,6 +35,15 @@ def bucket_view(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
 def piece_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """This rank's piece of one param in an owned-space tensor (1D, ``row_numel``, possibly empty)."""
     return flat[slot.row_offset : slot.row_offset + slot.row_numel]
+
+
+def inner_view(slot: ParamSlot, piece: torch.Tensor) -> torch.Tensor | None:
+    """``piece`` (this rank's piece of ``slot``, 1D) as the inner optimizer steps it ([Note: inner
+    params] in ``inner/adopt.py``): the row itself (row shards), in the param's shape (owned whole),
+    or None (owned by another rank). A gradient piece gets the same view."""
+    if not slot.shard.whole:
+        return piece
+    return piece.view(slot.param.shape) if slot.row_numel else None
 
 
 GRAD = operator.attrgetter("grad")

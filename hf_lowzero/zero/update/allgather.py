@@ -217,10 +217,10 @@ class ParamGather:
                 gather.wait_all()
 
         for module in model.modules():
-            held = {bucket_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in bucket_of}
-            if not held:
+            own = {bucket_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in bucket_of}
+            if not own:
                 continue
-            indices = tuple(sorted(held, reverse=True))  # the forward's order
+            indices = tuple(sorted(own, reverse=True))  # the forward's order
             self._hooks.append(module.register_forward_pre_hook(waits_for(indices)))
             self._hooks.append(module.register_state_dict_pre_hook(state_dict_pre_hook))
             self._hooks.append(module.register_load_state_dict_pre_hook(state_dict_pre_hook))

@@ -4,16 +4,17 @@ back into masters kept in bf16.
 Example::
 
     precision = make_master_precision(master.flat, slots, "stochastic", seed=0, shard=shard)
-    rows = precision.step_rows            # per slot: the fp32 tensor the inner optimizer steps
+    precision.inner_params                # per slot: the fp32 tensor the inner optimizer steps, or None
     with precision.stepping():            # bf16: fp32 scratch allocated, filled, rounded back, freed
         inner_optimizer.step()
 
 # [Note: bf16 masters]
 # With ``ZeroConfig.master_dtype="bf16"`` a rank keeps its owned master rows in bf16 between steps:
-# 2 bytes per owned element instead of 4. The inner optimizer still computes in fp32: its params
-# are fp32 views of one scratch tensor in the owned space whose storage exists only during the
-# step (FSDP2's trick: ``untyped_storage().resize_(nbytes)`` before, ``resize_(0)`` after; the
-# views, and so the inner optimizer's params and state keys, stay the same tensors). A step
+# 2 bytes per owned element instead of 4. The inner optimizer still computes in fp32: its inner
+# params ([Note: inner params] in ``inner/adopt.py``) are fp32 views of one scratch tensor in the
+# owned space whose storage exists only during the step (FSDP2's trick:
+# ``untyped_storage().resize_(nbytes)`` before, ``resize_(0)`` after; the views, and so the inner
+# params and the state keys, stay the same tensors). A step
 # upcasts the bf16 masters into the scratch, runs the inner step (its state is created
 # ``zeros_like`` the fp32 views, so it stays fp32), rounds the scratch back into the masters and
 # frees it. The step's transient peak holds one fp32 copy of the owned rows, at a point where
@@ -35,7 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hf_lowzero.zero.layout.packing import piece_view
+from hf_lowzero.zero.layout.packing import inner_view, piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
@@ -75,10 +76,10 @@ def round_stochastic(src: torch.Tensor, out: torch.Tensor, generator: torch.Gene
 
 
 class FullPrecisionMasters:
-    """fp32 masters: the inner optimizer steps the master rows themselves."""
+    """fp32 masters: the inner params are views of the master rows themselves."""
 
     def __init__(self, flat: torch.Tensor, slots: list[ParamSlot]) -> None:
-        self.step_rows = [piece_view(flat, s) for s in slots]
+        self.inner_params = [inner_view(s, piece_view(flat, s)) for s in slots]
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
@@ -98,7 +99,8 @@ class Bf16Masters:
         self.masters = flat  # 1D bf16, the owned space
         self.scratch = torch.empty(flat.shape, dtype=STEP_DTYPE, device=flat.device)  # 1D fp32, same layout
         self._nbytes = self.scratch.untyped_storage().nbytes()
-        self.step_rows = [piece_view(self.scratch, s) for s in slots]  # views made while the storage has its size
+        # the inner params: views made while the storage has its size
+        self.inner_params = [inner_view(s, piece_view(self.scratch, s)) for s in slots]
         self.scratch.untyped_storage().resize_(0)
         self.rounding = rounding
         self.generator = None

@@ -8,7 +8,7 @@ Example::
     coef = unscale_clip_coef(verdict.scaled_norm / loss_scale, clip=1.0, loss_scale=loss_scale)
     scale_rows(reduced_chunks, coef)          # [Note: one multiply]
     mask = UnusedMask(inner_params, inner_grads)
-    mask.apply(used)                          # masters of params used on no rank get grad=None
+    mask.apply(used)                          # inner params of params used on no rank get grad=None
     count_skipped_step(counts, scaler, config)  # a step not taken: counted, loss scale backed off
 
 # [Note: one multiply]
@@ -119,21 +119,22 @@ def scale_rows(reduced: list[torch.Tensor | None], coef: float) -> None:
 class UnusedMask:
     """Params used on no rank get no gradient: no update, no weight decay, no state.
 
-    The masters' ``.grad`` are fixed views of the gradient store, set once; ``apply`` writes only
-    the changes since the previous step, so a step whose params were all used costs one scan.
+    The inner params' ``.grad`` are fixed views of the gradient store, set once ([Note: inner
+    params] in ``inner/adopt.py``); ``apply`` writes only the changes since the previous step, so a
+    step whose params were all used costs one scan.
     """
 
-    def __init__(self, held: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
-        self.held, self.grads = held, grads  # per slot: the inner optimizer's tensor and its gradient
-        self.masked: set[int] = set()  # slots whose master.grad is None for the coming step
+    def __init__(self, inner_params: list[torch.Tensor | None], inner_grads: list[torch.Tensor | None]) -> None:
+        self.inner_params, self.inner_grads = inner_params, inner_grads  # per slot
+        self.masked: set[int] = set()  # slots whose inner param's .grad is None for the coming step
 
     def apply(self, used: torch.Tensor) -> None:
         """``used``: one bool per slot (``StepVerdict.used``)."""
-        unused = {i for i in (~used).nonzero().flatten().tolist() if self.held[i] is not None}
+        unused = {i for i in (~used).nonzero().flatten().tolist() if self.inner_params[i] is not None}
         for index in self.masked - unused:
-            self.held[index].grad = self.grads[index]
+            self.inner_params[index].grad = self.inner_grads[index]
         for index in unused - self.masked:
-            self.held[index].grad = None
+            self.inner_params[index].grad = None
         self.masked = unused
 
 
