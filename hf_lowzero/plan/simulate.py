@@ -18,7 +18,7 @@ Example::
 
 # [Note: what the simulation leaves out]
 # - The step's gradient norm (data-dependent: ``.item()``) is not simulated: one all-reduce of a
-#   few bytes per param; the update itself is (``LowLevelZeroOptimizer._update``).
+#   few bytes per param; the update itself is (``LowLevelZeroOptimizer.apply_update``).
 # - DDP cannot be built on fake tensors: stage 0 on several ranks adds DDP's gradient buckets (one
 #   copy of the gradients, ``gradient_as_bucket_view=False`` as accelerate builds it) and a ring
 #   all-reduce's traffic by count. On real tensors the real DDP runs.
@@ -319,9 +319,8 @@ def _run(spec, training, setup, world_size, batch_size, seq_len, rank, fake, ref
     if reference is not None:
         frozen += storage_bytes(list(reference.parameters()) + list(reference.buffers()))
     if opt is not None:
-        master = storage_bytes([opt.master.flat])
-        grad_store = storage_bytes(opt.reducer.store.tensors())
-        buffers = storage_bytes(opt.reducer.pool.tensors())
+        report = opt.memory_report()
+        master, grad_store, buffers = report.master_rows, report.grad_buffers, report.comm_buffers
     else:
         master, grad_store, buffers = 0, 0, ddp_buckets
     host = master + state + grad_store if setup.offload else 0
@@ -402,7 +401,7 @@ class _Step:
             self.inner.zero_grad(set_to_none=True)
             return
         if fake:
-            self.opt._update(None)  # the step without its data-dependent norm ([Note: what the simulation leaves out])
+            self.opt.apply_update()  # the step without its data-dependent norm ([Note: what the simulation leaves out])
         else:
             self.opt.step()
         self.opt.zero_grad()
@@ -436,7 +435,7 @@ def _held(opt, inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(the tensor the inner optimizer steps, the model's param it stands for), for each it holds."""
     if opt is None:
         return [(p, p) for group in inner.param_groups for p in group["params"]]
-    return [(opt._inner_params[s.index], s.param) for s in opt.slots if opt._inner_params[s.index] is not None]
+    return opt.inner_param_pairs()
 
 
 def _probes(training: TrainingSpec, opt, inner, embeddings: set[int]):
@@ -461,7 +460,7 @@ def _no_sync(opt, runner, last: bool):
     if last:
         return contextlib.nullcontext()
     if opt is not None:
-        return opt.no_sync() if opt.reducer.allows_no_sync else contextlib.nullcontext()
+        return opt.no_sync() if opt.allows_no_sync else contextlib.nullcontext()
     return runner.no_sync() if isinstance(runner, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
 
 

@@ -1,9 +1,10 @@
 """Backward-time machinery: one hook per bucket, plan-order bucket launches, the end-of-backward
-flush, ``no_sync`` bookkeeping, and recovery from a backward that raised.
+flush, ``no_sync`` bookkeeping, params read before their all-gather landed, and recovery from a
+backward that raised.
 
 Example::
 
-    sync = BackwardSync(slots, buckets, reducer, overlap=True, guard=WrapGuard(slots).check)
+    sync = BackwardSync(slots, buckets, reducer, overlap=True, guard=WrapGuard(slots).check, pending=gather.stale_slots)
     loss.backward()        # bucket hooks launch complete buckets; the queued callback flushes the rest
     sync.reset()           # after a backward that raised: wait for its collectives, forget it
 
@@ -81,6 +82,7 @@ class BackwardSync:
         reducer: BucketReducer,
         overlap: bool,
         guard: Callable[[], None],
+        pending: Callable[[], list[int]],
     ) -> None:
         self.overlap = overlap
         self.reducer = reducer
@@ -90,6 +92,9 @@ class BackwardSync:
         self._bucket_members = [torch.tensor(members) for members in self._member_lists]
         self.launcher = PlanOrderLauncher(buckets, self._launch, reducer.finish, max_in_flight=MAX_IN_FLIGHT)
         self._guard = guard  # run once per backward, before the first bucket can launch
+        self._pending = pending  # the slots whose all-gathers are still in flight
+        self._stale_candidates: list[int] = []  # slots whose gathers were pending when the last backward began
+        self.stale_reads: list[int] = []  # slots read before their gathers landed, since the last step
         self.enabled = True  # False inside no_sync()
         self.explicit = False  # inside opt.backward(), which flushes itself when autograd returns
         self.failed = False  # opt.backward() raised; zero_grad() clears it
@@ -160,13 +165,28 @@ class BackwardSync:
         # A bare loss.backward(): flush from an end-of-backward callback, queued by the first
         # hook. (Inside opt.backward() the flush runs after autograd returns, so the flush
         # never lands at the end of a nested, reentrant-checkpointing backward instead.)
-        self._guard()
+        self.begin()
         self._flush_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._flush_queued = False
         self.flush()
+
+    def begin(self) -> None:
+        """Once per backward, before a bucket can launch: the guard, and the params whose gathers are
+        still pending: their modules' forward never ran, so a gradient for one of them means the
+        forward read it before it landed ([Note: overlapped all-gather] in ``update/allgather.py``).
+        They land at the step, after backward (landing now would change tensors autograd saved)."""
+        self._guard()
+        self.close_stale_candidates()
+        self._stale_candidates = self._pending()
+
+    def close_stale_candidates(self) -> None:
+        """The candidates of the last backward that got a gradient in it were read stale."""
+        used, params = self.used, self.params
+        self.stale_reads += [i for i in self._stale_candidates if used[i] or params[i].grad is not None]
+        self._stale_candidates = []
 
     def mark_start(self) -> None:
         """Record the gradients already accumulated (leaving ``no_sync``): the next backward's
@@ -199,6 +219,7 @@ class BackwardSync:
         self._before = None
         self._reached = -1
         self.used.zero_()
+        self._stale_candidates, self.stale_reads = [], []
         self.grad_version += 1
 
     def check_finished(self, action: str) -> None:

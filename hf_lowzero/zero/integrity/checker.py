@@ -233,7 +233,8 @@ class IntegrityChecker:
 
     def after_pack(self, bucket: Bucket, flat: torch.Tensor, divided: bool = True) -> None:
         """A bucket packed (1D, rank-major), before its collective; ``divided``: by W already, or
-        (False) the collective divides ([Note: the divide in the collective] in ``runtime/comm.py``)."""
+        (False) the collective divides ([Note: the divide in the collective] in ``runtime/comm.py``).
+        """
         self.begin_step()
         if self._verifying:
             start = time.perf_counter()

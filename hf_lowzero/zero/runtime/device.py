@@ -112,6 +112,8 @@ class CudaOps:
         torch.cuda.cudart().cudaHostUnregister(pointer)
 
     def pinned_footprint(self, tensor: torch.Tensor) -> int:
+        if not self._pinned:  # nothing pinned (and no data pointer read: a memory plan's fake tensors)
+            return 0
         return self._pinned.get(tensor.untyped_storage().data_ptr(), 0)
 
     def phase(self, name: str):

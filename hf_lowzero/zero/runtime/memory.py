@@ -58,7 +58,7 @@ def bytes_by_device(tensors: Iterable[torch.Tensor]) -> Counter:
     seen: dict[tuple[str, int], int] = {}
     for t in plain_tensors(tensors):
         storage = t.untyped_storage()
-        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        seen[(str(t.device), storage._cdata)] = storage.nbytes()  # the storage itself: fake tensors too
     placed: Counter = Counter()
     for (device, _), nbytes in seen.items():
         placed[device] += nbytes
