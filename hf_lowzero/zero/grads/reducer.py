@@ -78,15 +78,10 @@ class BucketReducer:
         self.pool = pool
         self.holds = [False] * len(buckets)  # per bucket: reduced gradients since the last step
         self._needs_workspace = [  # per bucket: a receive buffer for a point-to-point reduce-scatter
-            comm.uses_point_to_point(self.shard.group, b.packed_numel * (comm_dtype or b.dtype).itemsize)
-            for b in buckets
+            comm.uses_point_to_point(shard.group, b.packed_numel * (comm_dtype or b.dtype).itemsize) for b in buckets
         ]
-        self.pack_plans = [
-            pack_plan(bucket, world_size=self.shard.world_size) for bucket in buckets
-        ]  # its params, in packing order
-        self.averages = comm.premultiplies(
-            self.shard.group
-        )  # the collective divides ([Note: the divide in the collective])
+        self.pack_plans = [pack_plan(b, world_size=shard.world_size) for b in buckets]  # their params, packing order
+        self.averages = comm.premultiplies(shard.group)  # the collective divides ([Note: the divide in the collective])
 
     def launch(self, bucket: Bucket, grads: list | None = None) -> Reduction:
         """Pack ``bucket``'s gradients (``grads``, read from its params' ``.grad``, or read now),
