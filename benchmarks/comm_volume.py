@@ -2,7 +2,7 @@
 
     python benchmarks/comm_volume.py       # world sizes 2 and 4; stage 1 and 2; 1 and 4 micro-batches
 
-Counted in hf_lowzero.zero.comm (ring-algorithm bytes: all-reduce sends 2(W-1)/W of its payload,
+Counted in hf_lowzero.zero.runtime.comm (ring-algorithm bytes: all-reduce sends 2(W-1)/W of its payload,
 reduce-scatter and all-gather (W-1)/W). The minimum for one data-parallel step is
 2Ψ(W-1)/W elements (a reduce-scatter of the gradients plus an all-gather of the params).
 Writes results/comm_volume.md and results/comm_volume.json.
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, collect, gpt2, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.zero.comm import all_gather_object, comm_stats  # noqa: E402
+from hf_lowzero.zero.runtime.comm import all_gather_object, comm_stats  # noqa: E402
 
 
 def state_bytes(opt: LowLevelZeroOptimizer) -> int:

@@ -4,7 +4,7 @@ without ``flat.div_(W)``, on CPU, one thread.
     python benchmarks/divide_pass.py        # ~20 s; results/divide_pass.{md,json}
 
 On NCCL the reduce-scatter averages itself (``PREMUL_SUM`` with 1/W, [Note: the divide in the
-collective] in ``hf_lowzero/zero/comm.py``), so the pass is gone there. Gloo has no such op, so the
+collective] in ``hf_lowzero/zero/runtime/comm.py``), so the pass is gone there. Gloo has no such op, so the
 packed bucket is divided before it is sent. This times exactly that: the packing kernel
 (``torch._chunk_cat`` of GPT-2 4x256's gradients into one rank-major bucket of W=2, as
 ``pack_bucket`` does) alone and followed by the divide, interleaved over rounds, and reports the

@@ -2,7 +2,7 @@
 
 NCCL refuses two ranks on one GPU, so ``benchmarks/gpu_overlap.py`` runs rank 0 of a world of 2
 on ``EmulatedGroup``, registered as the torch.distributed backend ``"hf_lowzero_emulated"``.
-``hf_lowzero.zero.comm`` takes NCCL's code paths for it (its ``stands_for`` is ``"nccl"``), so the
+``hf_lowzero.zero.runtime.comm`` takes NCCL's code paths for it (its ``stands_for`` is ``"nccl"``), so the
 optimizer issues what it would issue under NCCL: ``_reduce_scatter_base``/``reduce_scatter_single``,
 ``_allgather_base``/``all_gather_single``, ``allreduce``, ``alltoall_base`` and ``barrier``.
 
@@ -135,7 +135,7 @@ class EmulatedGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int, wire: Wire) -> None:
         super().__init__(rank, size)
         self.wire = wire
-        self.stands_for = "nccl"  # hf_lowzero.zero.comm.backend: take NCCL's code paths
+        self.stands_for = "nccl"  # hf_lowzero.zero.runtime.comm.backend: take NCCL's code paths
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._last_device = torch.device("cpu")

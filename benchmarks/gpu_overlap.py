@@ -61,7 +61,7 @@ from benchmarks.emulated_nccl import BACKEND, KINDS, Wire, calibrate_sleep, emul
 from benchmarks.host_syncs import PHASES, HostSyncs  # noqa: E402
 from benchmarks.overlap_report import write_report  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.zero.config import ZeroConfig  # noqa: E402
+from hf_lowzero.zero.zero_config import ZeroConfig  # noqa: E402
 
 FLAG = "overlap_allgather"
 MODES = {"none": frozenset(), "rs": frozenset({"reduce_scatter"}), "ag": frozenset({"all_gather"})}

@@ -36,7 +36,7 @@ def main() -> None:
     from hf_lowzero.checkpoint.save import shard_tensors
     from hf_lowzero.checkpoint.shards import ShardView
     from hf_lowzero.snapshot import ShardStager
-    from hf_lowzero.zero import device as dev
+    from hf_lowzero.zero.runtime import device as dev
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)

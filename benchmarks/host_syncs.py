@@ -9,7 +9,7 @@
         with syncs.phase("step"):
             opt.step()
     syncs.counts()   # {"forward": 0, "backward": 0, "step": 1, "gather": 0}
-    syncs.sites      # Counter({("step", "hf_lowzero/zero/step.py:52 global_norm_and_usage"): 1})
+    syncs.sites      # Counter({("step", "hf_lowzero/zero/update/step.py:52 global_norm_and_usage"): 1})
 
 How: ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronizing CUDA call warn (a stream
 or device synchronize, a copy to the host, ``.item()``, a blocking copy from pageable memory).

@@ -53,8 +53,8 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
-from hf_lowzero.zero.comm import all_gather_object  # noqa: E402
-from hf_lowzero.zero.memory import tensor_bytes  # noqa: E402
+from hf_lowzero.zero.runtime.comm import all_gather_object  # noqa: E402
+from hf_lowzero.zero.runtime.memory import tensor_bytes  # noqa: E402
 
 SMALL = (6, 512, 8192)  # n_layer, n_embd, vocab: ~23M params, for the formula table
 GPT2_124M = (12, 768, 50257)  # the GPT-2 124M shape, for the peak-RSS table

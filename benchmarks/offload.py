@@ -210,7 +210,7 @@ def widest_that_fits(offload: bool, n_layer: int = 24, kernel: str | None = None
         except torch.OutOfMemoryError:
             verdict = False
         # A probe that left memory behind would make every later one run out early: the first GPU
-        # runs of this search did, before [Note: hooks hold the optimizer weakly] in zero/backward.py.
+        # runs of this search did, before [Note: hooks hold the optimizer weakly] in zero/grads/backward.py.
         gc.collect()
         torch.cuda.empty_cache()
         left = torch.cuda.memory_allocated() - held

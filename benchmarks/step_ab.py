@@ -49,8 +49,8 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from benchmarks.step_time import loss_fn, ratios  # noqa: E402
-from hf_lowzero.zero import comm  # noqa: E402
-from hf_lowzero.zero.norm import float64_squared_norm, squared_norm  # noqa: E402
+from hf_lowzero.zero.grads.norm import float64_squared_norm, squared_norm  # noqa: E402
+from hf_lowzero.zero.runtime import comm  # noqa: E402
 
 ROUNDS, WARMUP = 20, 2
 MODELS = {  # name: (build, steps per round)

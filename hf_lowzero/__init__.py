@@ -14,7 +14,7 @@ from hf_lowzero.checkpoint import (
     save_checkpoint,
 )
 from hf_lowzero.zero import ChainedOptimizer, LowLevelZeroOptimizer, MemoryReport, ZeroConfig
-from hf_lowzero.zero.integrity import IntegrityError
+from hf_lowzero.zero.integrity.checker import IntegrityError
 
 __all__ = [
     "ChainedOptimizer",

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_lowzero.checkpoint import consolidate_checkpoint
-from hf_lowzero.zero.config import parse_dtype
+from hf_lowzero.zero.zero_config import parse_dtype
 
 
 def read_weights(path: str | Path) -> dict:

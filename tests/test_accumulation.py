@@ -15,7 +15,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.comm import comm_stats
+from hf_lowzero.zero.runtime.comm import comm_stats
 from tests.models import BranchyNet, assert_params_equal, batch, ddp_reference, make_inner
 from tests.tiers import slow
 

@@ -8,7 +8,7 @@ import pytest
 
 from hf_lowzero.ray.snapshot_plan import SNAPSHOTS, check_every
 from hf_lowzero.zero.auto_interval import AUTO, AutoInterval, Budget, Median, Smoothed
-from hf_lowzero.zero.config import VERIFY, check_verify_every
+from hf_lowzero.zero.zero_config import VERIFY, check_verify_every
 
 
 def _budget(**changes) -> Budget:

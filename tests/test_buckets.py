@@ -4,14 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from hf_lowzero.zero.buckets import BucketState, ParamSlot, PlanOrderLauncher, Reduction, plan_buckets
-from hf_lowzero.zero.layout import pack_bucket, unpack_bucket
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.layout.buckets import BucketState, ParamSlot, PlanOrderLauncher, Reduction, plan_buckets
+from hf_lowzero.zero.layout.packing import pack_bucket, unpack_bucket
+from hf_lowzero.zero.layout.partition import ParamShard
 
 
 def make_slots(shapes, world_size, dtypes=None):
     params = [nn.Parameter(torch.randn(*s, dtype=(dtypes or {}).get(i, torch.float32))) for i, s in enumerate(shapes)]
-    return [ParamSlot(i, f"p{i}", p, ParamShard(p.numel(), world_size)) for i, p in enumerate(params)]
+    return [ParamSlot(i, f"p{i}", p, ParamShard(p.numel(), world_size=world_size)) for i, p in enumerate(params)]
 
 
 def test_plan_is_reverse_registration_order_and_respects_size():
@@ -46,7 +46,7 @@ def test_pack_is_rank_major_padded_and_frees_grads():
     grads = [s.param.grad.clone() for s in slots]
     (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
     flat = torch.full((world_size * bucket.row_numel,), float("nan"))
-    pack_bucket(bucket, flat, world_size)
+    pack_bucket(bucket, flat, world_size=world_size)
 
     rows = flat.view(world_size, bucket.row_numel)
     for rank in range(world_size):
@@ -68,11 +68,11 @@ def test_unpack_inverts_pack_for_padded_and_unpadded_params(world_size):
         s.param.grad = v.clone()
     (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
     flat = torch.full((world_size * bucket.row_numel,), float("nan"))
-    pack_bucket(bucket, flat, world_size)
+    pack_bucket(bucket, flat, world_size=world_size)
     with torch.no_grad():
         for s in slots:
             s.param.zero_()
-    unpack_bucket(bucket, flat * world_size, world_size)
+    unpack_bucket(bucket, flat * world_size, world_size=world_size)
     for s, v in zip(slots, values):
         torch.testing.assert_close(s.param, v, rtol=1e-6, atol=1e-6)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_lowzero.zero.buffers import BufferPool
+from hf_lowzero.zero.runtime.buffers import BufferPool
 
 CPU = torch.device("cpu")
 

@@ -27,7 +27,7 @@ from hf_lowzero import (
 from hf_lowzero.checkpoint.layout import CHECKSUM_CHUNK_NUMEL, EXTRAS_FILE, checksum_error, chunk_checksums, chunk_span
 from hf_lowzero.consolidate import main as consolidate_cli
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.comm import all_gather_object
+from hf_lowzero.zero.runtime.comm import all_gather_object
 from tests.models import BranchyNet, assert_params_equal, ddp_reference, make_inner
 from tests.tiers import slow
 

@@ -1,4 +1,4 @@
-"""The integrity checks' arithmetic (``hf_lowzero/zero/checksums.py``, ``verdict.py``), in one process.
+"""The integrity checks' arithmetic (``hf_lowzero/zero/integrity/checksums.py``, ``verdict.py``), in one process.
 
 W ranks are W ``IntegrityChecker`` objects fed the real packing (``pack_bucket``) and a reduction
 done here, in the communication dtype, so that a fault can be put exactly where a test wants it: one
@@ -13,13 +13,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_lowzero.zero import checksums
-from hf_lowzero.zero.buckets import plan_buckets
-from hf_lowzero.zero.checksums import PERIOD, SCRATCH, bucket_plans, hash_weights, sign_table, tensor_hash
-from hf_lowzero.zero.integrity import IntegrityChecker, IntegrityError
-from hf_lowzero.zero.layout import pack_bucket
-from hf_lowzero.zero.params import ParamSlot
-from hf_lowzero.zero.partition import ParamShard, assign_owners
+from hf_lowzero.zero.integrity import checksums
+from hf_lowzero.zero.integrity.checker import IntegrityChecker, IntegrityError
+from hf_lowzero.zero.integrity.checksums import PERIOD, SCRATCH, bucket_plans, hash_weights, sign_table, tensor_hash
+from hf_lowzero.zero.layout.buckets import plan_buckets
+from hf_lowzero.zero.layout.packing import pack_bucket
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.layout.partition import ParamShard, assign_owners
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 CPU = torch.device("cpu")
 # a 1-element param, a padded one (17 x 257 over 3 ranks), one whose pieces span several periods
@@ -29,17 +30,27 @@ LONG = "p3"
 
 def _bucket(shapes, world_size, whole=False, comm_dtype=None):
     params = [nn.Parameter(torch.zeros(s)) for s in shapes]
-    owners = assign_owners([p.numel() for p in params], world_size) if whole else [None] * len(params)
-    slots = [ParamSlot(i, f"p{i}", p, ParamShard(p.numel(), world_size, owners[i])) for i, p in enumerate(params)]
+    owners = assign_owners([p.numel() for p in params], world_size=world_size) if whole else [None] * len(params)
+    slots = [
+        ParamSlot(i, f"p{i}", p, ParamShard(p.numel(), world_size=world_size, owner=owners[i]))
+        for i, p in enumerate(params)
+    ]
     (bucket,) = plan_buckets(slots, 2**40, comm_dtype)
     return bucket
 
 
 def _checkers(bucket, world_size, comm_dtype=None):
-    names = {id(s): s.name for s in bucket.slots}
     tensors = [(s.name, s.param) for s in bucket.slots]
-    where = (None, world_size, CPU, 1, "raise")  # no process group: the tables are stacked here
-    return [IntegrityChecker([bucket], names, tensors, comm_dtype, where[0], r, *where[1:]) for r in range(world_size)]
+    return [  # no process group: the tables are stacked here
+        IntegrityChecker(
+            [bucket], tensors, comm_dtype=comm_dtype, every=1, on_mismatch="raise", shard=_shard(r, world_size)
+        )
+        for r in range(world_size)
+    ]
+
+
+def _shard(rank, world_size):
+    return ShardGroup(group=None, rank=rank, world_size=world_size, device=CPU)
 
 
 def _packed(bucket, grads, world_size, comm_dtype):
@@ -49,7 +60,7 @@ def _packed(bucket, grads, world_size, comm_dtype):
         for slot, g in zip(bucket.slots, per_param):
             slot.param.grad = g.clone()
         flat = torch.empty(bucket.packed_numel, dtype=comm_dtype or torch.float32)
-        pack_bucket(bucket, flat, world_size)
+        pack_bucket(bucket, flat, world_size=world_size)
         flats.append(flat)
     return flats
 
@@ -136,11 +147,11 @@ def test_an_exact_reduction_checksums_to_the_sum_of_what_the_ranks_sent(whole):
     m = len(bucket.slots)
     sent = torch.zeros(world_size, m, 2, dtype=torch.float64)
     for rank in range(world_size):
-        local, _ = bucket_plans(bucket, world_size, rank, CPU)
+        local, _ = bucket_plans(bucket, shard=_shard(rank, world_size))
         sent += local.sums(flats[rank], signs, 2, 12345, scratch)[0].view(world_size, m, 2)
-    assert any(plan.folds for plan in bucket_plans(bucket, world_size, 0, CPU))
+    assert any(plan.folds for plan in bucket_plans(bucket, shard=_shard(0, world_size)))
     for rank in range(world_size):
-        _, own = bucket_plans(bucket, world_size, rank, CPU)
+        _, own = bucket_plans(bucket, shard=_shard(rank, world_size))
         rows = total[sum(bucket.chunks[:rank]) : sum(bucket.chunks[: rank + 1])]
         dots, norms = own.sums(rows, signs, 2, 12345, scratch, norms=False)
         assert norms is None and torch.equal(dots, sent[rank])
@@ -154,7 +165,7 @@ def test_segment_sums_equal_the_dot_with_each_elements_sign():
     flat = torch.randn(bucket.packed_numel)
     signs, scratch = sign_table(8, CPU), torch.empty(SCRATCH, dtype=torch.float64)
     shift = PERIOD - 100  # the signs wrap around the table
-    dots, norms = bucket_plans(bucket, world_size, 0, CPU)[0].sums(flat, signs, 8, shift, scratch)
+    dots, norms = bucket_plans(bucket, shard=_shard(0, world_size))[0].sums(flat, signs, 8, shift, scratch)
     m = len(bucket.slots)
     for dst in range(world_size):
         for j, slot in enumerate(bucket.slots):
@@ -167,7 +178,7 @@ def test_segment_sums_equal_the_dot_with_each_elements_sign():
 
 def test_plans_keep_their_scratch_bounded():
     bucket = _bucket([(3,), (40 * PERIOD,), (PERIOD,), (1000,)] * 3, 8)
-    for plan in bucket_plans(bucket, 8, 3, CPU):
+    for plan in bucket_plans(bucket, shard=_shard(3, 8)):
         for run in plan.runs:
             assert (run.rows[1] - run.rows[0]) * run.out.numel() // (run.rows[1] - run.rows[0]) * run.length <= SCRATCH
         for fold in plan.folds:

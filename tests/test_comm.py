@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero import comm
-from hf_lowzero.zero.comm import comm_stats
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime.comm import comm_stats
 
 SIZES = (1, 37, 1000)  # per-rank chunk numels of the exchanges in flight at once
 

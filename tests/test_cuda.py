@@ -100,7 +100,7 @@ def test_cuda_host_step_waits_for_delayed_copies(tmp_path):
 def test_pinned_buffers_are_locked_at_their_exact_size_not_through_the_caching_allocator():
     """[Note: exact pinned memory]: page-locked by cudaHostRegister, so torch's caching host
     allocator (which rounds up to a power of two) holds nothing more."""
-    from hf_lowzero.zero import device as dev
+    from hf_lowzero.zero.runtime import device as dev
 
     torch.cuda.init()
     before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)

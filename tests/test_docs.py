@@ -131,7 +131,7 @@ def test_a_transcript_keeps_order_within_each_process_only():
 
 def _alarm(rank: int, world_size: int, out: str) -> None:
     from hf_lowzero import IntegrityError, LowLevelZeroOptimizer
-    from hf_lowzero.zero.faults import Fault, inject
+    from hf_lowzero.zero.integrity.reduction_faults import Fault, inject
     from tests.hf_models import TokenDataset, tiny_gpt2
 
     model = tiny_gpt2()

@@ -54,8 +54,10 @@ def _undo_each_fix() -> dict[str, str]:
     """What the simulation reports when a fix is taken back (the bug on today's main, in place)."""
     from hf_lowzero.checkpoint import export
     from hf_lowzero.checkpoint.shards import ShardView
-    from hf_lowzero.zero import comm, grad_store, write_gate
-    from hf_lowzero.zero import device as dev
+    from hf_lowzero.zero.grads import grad_store
+    from hf_lowzero.zero.runtime import comm
+    from hf_lowzero.zero.runtime import device as dev
+    from hf_lowzero.zero.update import write_gate
 
     class ViewWhereRowsLive:  # export gathers the rows where they are: host memory with offload
         @staticmethod
@@ -134,7 +136,7 @@ def _check_runs(results) -> None:
             assert run.caching_pinned == [], (case.label, run.caching_pinned)  # no power-of-two rounding
             # the pinned bytes memory_report() states are those allocated, exactly
             assert run.pinned_reported == run.optimizer_pinned, case.label
-            # beyond the few bytes of the step's flags ([Note: one host sync per step] in zero/step.py)
+            # beyond the few bytes of the step's flags ([Note: one host sync per step] in zero/update/step.py)
             assert (run.optimizer_pinned > 1024) == case.offload, case.label
             assert run.host_tensors_saved > 0 and sum(run.pinned_bytes) >= run.optimizer_pinned, case.label
         assert result.runs[0].exported_states > 0, case.label
@@ -306,7 +308,7 @@ class _Cudart:
 
 
 def test_pinned_buffers_are_locked_at_their_exact_size_and_unlocked_when_freed(monkeypatch):
-    from hf_lowzero.zero import device as dev
+    from hf_lowzero.zero.runtime import device as dev
 
     cudart = _Cudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)

@@ -110,7 +110,7 @@ def test_blocked_norm_is_float64_exact_at_fp32_speed_and_keeps_huge_gradients_fi
     """[Note: blocked norm]: fp32 block norms summed in float64 match a float64 sum over a 3M-element
     row (a single fp32 reduction is off by ~1e-4 there); squares that overflow fp32 fall back to
     float64 instead of reporting a finite gradient as inf; inf/nan still make the norm non-finite."""
-    from hf_lowzero.zero.norm import squared_norm
+    from hf_lowzero.zero.grads.norm import squared_norm
 
     g = torch.Generator().manual_seed(0)
     row = torch.randn(3_000_001, generator=g) * torch.rand(3_000_001, generator=g) ** 4

@@ -1,6 +1,6 @@
-"""Integrity checks at runtime ([Note: integrity checks] in hf_lowzero/zero/integrity.py).
+"""Integrity checks at runtime ([Note: integrity checks] in hf_lowzero/zero/integrity/checker.py).
 
-Faults injected through hf_lowzero.zero.faults (transport and reduced rows) or by the test itself
+Faults injected through hf_lowzero.zero.integrity.reduction_faults (transport and reduced rows) or by the test itself
 (a weight changed on one rank, a NaN in one rank's gradient) are caught within ``verify_every``
 steps and named exactly: rank, step, parameter; at W = 2, 3 and 4. Long runs with every step
 verified raise no false alarm: fp32, fp16 with overflow skips, bf16, row shards and whole params,
@@ -17,7 +17,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import IntegrityError, LowLevelZeroOptimizer, ZeroConfig
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.faults import Fault, inject
+from hf_lowzero.zero.integrity.reduction_faults import Fault, inject
 from tests.models import BranchyNet, batch, make_inner
 
 EVERY = 3

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_lowzero import ZeroConfig
-from hf_lowzero.zero.loss_scaler import ConstantScale, DynamicLossScaler
+from hf_lowzero.zero.update.loss_scaler import ConstantScale, DynamicLossScaler
 
 
 def scaler(**knobs) -> DynamicLossScaler:

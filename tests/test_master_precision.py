@@ -12,7 +12,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.master_precision import round_nearest, round_stochastic
+from hf_lowzero.zero.update.master_precision import round_nearest, round_stochastic
 from tests.hf_models import tiny_gpt2
 from tests.models import BranchyNet, batch, make_inner, param_groups
 from tests.trainer_runs import logged, make_args, train
@@ -191,7 +191,7 @@ def memory_body(rank, world_size):
     runs = {dtype: build(master_dtype=dtype) for dtype in ("fp32", "bf16")}
     during = []
     bf16_opt = runs["bf16"][1]
-    bf16_opt.optim.register_step_pre_hook(lambda *_: during.append(bf16_opt._precision.scratch_bytes()))
+    bf16_opt.optim.register_step_pre_hook(lambda *_: during.append(bf16_opt._parts.precision.scratch_bytes()))
     for step in range(2):
         for model, opt in runs.values():
             train_step(model, opt, rank, world_size, step)
@@ -201,7 +201,7 @@ def memory_body(rank, world_size):
     assert bf16.optimizer_state == fp32.optimizer_state > 0  # AdamW's moments stay fp32
     assert bf16.grad_buffers == fp32.grad_buffers  # gradient rows stay fp32
     assert during == [4 * numel, 4 * numel]  # the fp32 scratch exists during the inner step...
-    assert bf16_opt._precision.scratch.untyped_storage().nbytes() == 0  # ...and not after it
+    assert bf16_opt._parts.precision.scratch.untyped_storage().nbytes() == 0  # ...and not after it
     assert all(s["exp_avg"].dtype is torch.float32 for s in bf16_opt.state.values())
 
 
@@ -267,7 +267,7 @@ def offload_body(rank, world_size):
             (ref_model, _), (model, opt) = runs[False], runs[True]
             for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
                 assert torch.equal(p, q), f"{inner} step {step} {name}"  # CPU: the same kernels and noise
-        assert opt.master.flat.dtype is torch.bfloat16 and opt._precision.scratch_bytes() == 0
+        assert opt.master.flat.dtype is torch.bfloat16 and opt._parts.precision.scratch_bytes() == 0
     moved = sum(int((p != q).sum()) for p, q in zip(model.parameters(), BranchyNet(0).to(torch.bfloat16).parameters()))
     assert moved > 0
 
@@ -282,7 +282,7 @@ def test_offloaded_bf16_masters_match_the_device_run():
 
 @pytest.mark.parametrize("master_dtype", ["fp32", "bf16"])
 def test_update_runs_under_fake_tensors(master_dtype):
-    """A memory planner builds the optimizer, runs backward and ``_update(None)`` on fake tensors
+    """A memory planner builds the optimizer, runs backward and ``apply_update()`` on fake tensors
     with a fake process group: nothing there may read tensor data."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -296,10 +296,10 @@ def test_update_runs_under_fake_tensors(master_dtype):
             opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), master_dtype=master_dtype)
             ids = torch.randint(0, 1000, (2, 16))
             opt.backward(model(input_ids=ids, labels=ids).loss)
-            opt._update(None)
+            opt.apply_update()
             assert len(opt.optim.state) == len(opt.slots)
             assert opt.master.flat.dtype is opt.config.master_dtype
-            assert opt._precision.scratch_bytes() == 0
+            assert opt._parts.precision.scratch_bytes() == 0
     finally:
         dist.destroy_process_group()
 

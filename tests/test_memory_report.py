@@ -5,7 +5,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.backward import MAX_IN_FLIGHT
+from hf_lowzero.zero.grads.backward import MAX_IN_FLIGHT
 from tests.models import BranchyNet, batch, make_inner
 
 

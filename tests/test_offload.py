@@ -14,7 +14,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.grad_store import HostGradStore
+from hf_lowzero.zero.grads.grad_store import HostGradStore
 from tests.models import BranchyNet, batch, make_inner
 from tests.tiers import slow
 

@@ -16,7 +16,7 @@ import torch
 
 from hf_lowzero import ChainedOptimizer
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.memory import tensor_bytes
+from hf_lowzero.zero.runtime.memory import tensor_bytes
 from tests.hf_models import TokenDataset, tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
 

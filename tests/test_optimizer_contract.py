@@ -11,7 +11,7 @@ from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.comm import comm_stats
+from hf_lowzero.zero.runtime.comm import comm_stats
 from tests.models import BranchyNet, batch, make_inner
 from tests.tiers import slow
 
@@ -299,7 +299,7 @@ def test_inner_optimizer_attributes_are_reachable(single_rank_group):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_dropped_optimizer_frees_its_model_and_state(single_rank_group, stage):
     """An optimizer and its model, once nothing refers to them, are freed by Python's collector
-    ([Note: hooks hold the optimizer weakly] in zero/backward.py), also one dropped between its
+    ([Note: hooks hold the optimizer weakly] in zero/grads/backward.py), also one dropped between its
     backward and its step (a probe that ran out of memory in the step). Before, the bucket hooks
     made a cycle through the params that the collector never freed: every optimizer stayed for the
     process's life."""

@@ -1,4 +1,4 @@
-"""The all-gather left in flight after the step ([Note: overlapped all-gather] in zero/allgather.py).
+"""The all-gather left in flight after the step ([Note: overlapped all-gather] in zero/update/allgather.py).
 
 With ``overlap_allgather`` the step returns with every bucket's gather in flight, in the next
 forward's order; each module's first forward use waits for its own buckets alone, and every other

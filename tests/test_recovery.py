@@ -322,7 +322,7 @@ class CorruptEveryAttempt(TrainerCallback):
         self.step, self.node = step, node
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from hf_lowzero.zero.faults import Fault, inject
+        from hf_lowzero.zero.integrity.reduction_faults import Fault, inject
 
         if ray.get_runtime_context().get_node_id() == self.node:
             self.injecting = inject(Fault("flip", rank=dist.get_rank(), step=self.step, bucket=0, bit=28, times=99))

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
 
 from hf_lowzero import LowZeroTrainer, LowZeroTrainingArguments, consolidate_checkpoint
 from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.comm import comm_stats
+from hf_lowzero.zero.runtime.comm import comm_stats
 from tests.hf_models import TokenDataset, tiny_bert, tiny_gpt2
 from tests.trainer_runs import ACCUMULATION, STEPS, logged, make_args, train
 

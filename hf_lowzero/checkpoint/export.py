@@ -20,9 +20,9 @@ import torch
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, extra_key, master_key
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
 from hf_lowzero.checkpoint.shards import CheckpointError, ShardView
-from hf_lowzero.zero import comm
-from hf_lowzero.zero.params import canonical_name
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.layout.params import canonical_name
+from hf_lowzero.zero.layout.partition import ParamShard
+from hf_lowzero.zero.runtime import comm
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
@@ -65,7 +65,15 @@ def consolidate_checkpoint(
     full = OrderedDict()
     for name, saved in meta["params"].items():
         flat = torch.empty(saved["numel"], dtype=torch.float32)
-        read_row(reader, master_key(name), saved["numel"], ParamShard(saved["numel"], 1), 0, flat, saved.get("owner"))
+        read_row(
+            reader,
+            master_key(name),
+            saved["numel"],
+            ParamShard(saved["numel"], world_size=1),
+            0,
+            flat,
+            saved.get("owner"),
+        )
         full[name] = flat.view(saved["shape"])
     for name, info in meta.get("extras", {}).items():
         full[name] = reader.read(EXTRAS_FILE, extra_key(name), info["shape"])

@@ -32,8 +32,8 @@ from hf_lowzero.checkpoint.shards import (
     scalar_from_json,
     unsharded_state,
 )
-from hf_lowzero.zero import comm
-from hf_lowzero.zero.shard_state import SECTION
+from hf_lowzero.zero.inner.shard_state import SECTION
+from hf_lowzero.zero.runtime import comm
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer

@@ -5,8 +5,8 @@ Example::
 
     meta = read_metadata("ckpt/step-100")
     reader = ShardReader(Path("ckpt/step-100"), meta)
-    row = torch.zeros(ParamShard(numel, 3).shard_numel)
-    read_row(reader, "master/head.weight", numel, ParamShard(numel, 3), rank=1, out=row)
+    row = torch.zeros(ParamShard(numel, world_size=3).shard_numel)
+    read_row(reader, "master/head.weight", numel, ParamShard(numel, world_size=3), rank=1, out=row)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
 )
 from hf_lowzero.checkpoint.shards import CheckpointError
-from hf_lowzero.zero.partition import ParamShard
+from hf_lowzero.zero.layout.partition import ParamShard
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def read_row(
     start, end = new.owned_range(rank)
     if start >= end:
         return
-    old = ParamShard(numel, reader.saved_world_size, saved_owner)
+    old = ParamShard(numel, world_size=reader.saved_world_size, owner=saved_owner)
     for old_rank in range(reader.saved_world_size):
         old_start, old_end = old.owned_range(old_rank)
         lo, hi = max(start, old_start), min(end, old_end)

@@ -39,7 +39,7 @@ from hf_lowzero.checkpoint.shards import (
     scalar_to_json,
     unsharded_state,
 )
-from hf_lowzero.zero import comm
+from hf_lowzero.zero.runtime import comm
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_lowzero.zero.memory import is_packed
-from hf_lowzero.zero.params import canonical_name
-from hf_lowzero.zero.partition import ParamShard
-from hf_lowzero.zero.shard_state import SECTION, is_row_state, is_whole_state
+from hf_lowzero.zero.inner.shard_state import SECTION, is_row_state, is_whole_state
+from hf_lowzero.zero.layout.params import canonical_name
+from hf_lowzero.zero.layout.partition import ParamShard
+from hf_lowzero.zero.runtime.memory import is_packed
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
@@ -78,7 +78,7 @@ class ShardView:
             state_dict=sd,
             names=[n for g in sd["param_groups"] for n in g["param_names"]],
             params=params,
-            shards=[ParamShard(p.numel(), opt.world_size, owner) for p, owner in zip(params, owners)],
+            shards=[ParamShard(p.numel(), world_size=opt.world_size, owner=owner) for p, owner in zip(params, owners)],
             world_size=opt.world_size,
             rank=opt.rank,
             process_group=opt.process_group,
@@ -101,9 +101,9 @@ class ShardView:
         for key, value in self.state_dict["state"].get(pos, {}).items():
             if is_packed(value):
                 kinds[key] = "packed"
-            elif is_row_state(value, shard, self.rank):
+            elif is_row_state(value, shard, rank=self.rank):
                 kinds[key] = "row"
-            elif is_whole_state(value, shard, self.rank):
+            elif is_whole_state(value, shard, rank=self.rank):
                 kinds[key] = "whole"
             else:
                 kinds[key] = "scalar"

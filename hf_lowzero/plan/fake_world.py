@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_lowzero.plan.step_records import SimulatedStep
-from hf_lowzero.zero import comm
+from hf_lowzero.zero.runtime import comm
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def _fake_gpu_world(world_size: int, rank: int, device: torch.device):
     events order nothing here (the plan counts memory; ``hf_lowzero.simulation`` checks order)."""
     from hf_lowzero.simulation.nccl import simulated_world
     from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
-    from hf_lowzero.zero import device as dev
+    from hf_lowzero.zero.runtime import device as dev
 
     checker = AccessChecker()
     ops = FakeCudaOps(checker)

@@ -18,7 +18,7 @@ Example::
 
 # [Note: what the simulation leaves out]
 # - The step's gradient norm (data-dependent: ``.item()``) is not simulated: one all-reduce of a
-#   few bytes per param; the update itself is (``LowLevelZeroOptimizer._update``).
+#   few bytes per param; the update itself is (``LowLevelZeroOptimizer.apply_update``).
 # - DDP cannot be built on fake tensors: stage 0 on several ranks adds DDP's gradient buckets (one
 #   copy of the gradients, ``gradient_as_bucket_view=False`` as accelerate builds it) and a ring
 #   all-reduce's traffic by count. On real tensors the real DDP runs.
@@ -41,7 +41,7 @@ Example::
 #   with eager attention (T5) keep the scores either way.
 # - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
-# - Integrity checks ([Note: integrity checks] in zero/integrity.py) hold, while they are on, their
+# - Integrity checks ([Note: integrity checks] in zero/integrity/checker.py) hold, while they are on, their
 #   sign table (2 MiB; 8 MiB with 16-bit gradients, 8 probes) and 4 MiB of scratch, and on verify
 #   steps at most 6 MiB more at a time (a stack of hashed tensors, a gather of gradient pieces):
 #   within the reserve. The simulated step checks nothing.
@@ -61,7 +61,7 @@ from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.state_probe import StateProbe, runs_under_fake_tensors
 from hf_lowzero.plan.step_records import PARTS, Setup, SimulatedStep, StepMemory, TrainingSpec
 from hf_lowzero.plan.tracker import PeakTracker, storage_bytes
-from hf_lowzero.zero import comm
+from hf_lowzero.zero.runtime import comm
 
 
 def simulate_step(
@@ -82,7 +82,7 @@ def simulate_step(
 
     [Note: planning on fake GPUs] With ``backend="nccl"`` in a process with fake CUDA devices
     (``hf_lowzero.simulation.launch``: ``plan_memory`` plans there) the step runs on fake ``cuda``
-    tensors on a process group that enforces NCCL's rules, with ``zero/device.py``'s streams, events
+    tensors on a process group that enforces NCCL's rules, with ``zero/runtime/device.py``'s streams, events
     and pinned buffers stood in: the branches a GPU run takes, and device and host memory counted
     apart. Elsewhere it runs on fake CPU tensors that take NCCL's code paths where they can."""
     with warnings.catch_warnings():
@@ -126,7 +126,7 @@ def _run(simulated: SimulatedStep) -> StepMemory:
     models: torch's ``ModTracker`` (under ``MemTracker``) keeps the params of a model that ran under
     it alive after it exits, past ``gc.collect()`` (26 of GPT-2's 28 params, reproduced on CPU with
     ``ModTracker`` alone), and so did the optimizer's own hooks until [Note: hooks hold the
-    optimizer weakly] in ``zero/backward.py``. Measured on an H100 (torch 2.11), three runs in one
+    optimizer weakly] in ``zero/grads/backward.py``. Measured on an H100 (torch 2.11), three runs in one
     process: the allocator's peak over the step was 0.92, 0.85 and 0.68 of the plan, the second and
     third counting 130 and 225 MiB that the runs before them left, while the tracked peak of each
     was within 0.6% of the plan. Counted from the run's start it is 0.92, 1.00 and 1.01.
@@ -200,9 +200,8 @@ def _run(simulated: SimulatedStep) -> StepMemory:
     if reference is not None:
         frozen += storage_bytes(list(reference.parameters()) + list(reference.buffers()))
     if opt is not None:
-        master = storage_bytes([opt.master.flat])
-        grad_store = storage_bytes(opt.reducer.store.tensors())
-        buffers = storage_bytes(opt.reducer.pool.tensors())
+        report = opt.memory_report()
+        master, grad_store, buffers = report.master_rows, report.grad_buffers, report.comm_buffers
     else:
         master, grad_store, buffers = 0, 0, ddp_buckets
     host = master + state + grad_store if setup.offload else 0
@@ -283,7 +282,7 @@ class _Step:
             self.inner.zero_grad(set_to_none=True)
             return
         if fake:
-            self.opt._update(None)  # the step without its data-dependent norm ([Note: what the simulation leaves out])
+            self.opt.apply_update()  # the step without its data-dependent norm ([Note: what the simulation leaves out])
         else:
             self.opt.step()
         self.opt.zero_grad()
@@ -317,7 +316,7 @@ def _held(opt, inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(the tensor the inner optimizer steps, the model's param it stands for), for each it holds."""
     if opt is None:
         return [(p, p) for group in inner.param_groups for p in group["params"]]
-    return [(opt._inner_params[s.index], s.param) for s in opt.slots if opt._inner_params[s.index] is not None]
+    return opt.inner_param_pairs()
 
 
 def _probes(training: TrainingSpec, opt, inner, embeddings: set[int]):
@@ -342,7 +341,7 @@ def _no_sync(opt, runner, last: bool):
     if last:
         return contextlib.nullcontext()
     if opt is not None:
-        return opt.no_sync() if opt.reducer.allows_no_sync else contextlib.nullcontext()
+        return opt.no_sync() if opt.allows_no_sync else contextlib.nullcontext()
     return runner.no_sync() if isinstance(runner, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
 
 

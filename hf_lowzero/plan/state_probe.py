@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_lowzero.zero.memory import plain_tensors
+from hf_lowzero.zero.runtime.memory import plain_tensors
 
 # [Note: probe sizes]
 # A probe allocates real memory, so a held tensor larger than PROBE_NUMEL elements is probed at

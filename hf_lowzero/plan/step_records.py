@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from hf_lowzero.plan.models import ModelSpec
-from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.inner import choose_partition
+from hf_lowzero.zero.inner.policy import choose_partition
+from hf_lowzero.zero.zero_config import ZeroConfig
 
 PARTS = ("params", "gradients", "master", "optimizer_state", "frozen", "activations", "buffers")
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
-from hf_lowzero.zero.memory import plain_tensors
+from hf_lowzero.zero.runtime.memory import plain_tensors
 
 
 class PeakTracker(MemTracker):

@@ -116,7 +116,8 @@ CORRUPTION_MARKER = ".hf_lowzero_corruption_injected"
 class InjectCorruption(TrainerCallback):
     """Flips one bit of the last rank's reduced gradients of the first bucket, once, at ``step``, on
     the first attempt that reaches it (a marker file in the run's storage folder remembers it): a
-    transient hardware fault, for demos and tests of the integrity checks (``hf_lowzero.zero.faults``).
+    transient hardware fault, for demos and tests of the integrity checks
+    (``hf_lowzero.zero.integrity.reduction_faults``).
     With ``verify_every=1`` the check of ``step`` catches it; with ``on_mismatch="rollback"`` the
     restart resumes from the snapshot before it and ends as the run without the fault.
 
@@ -132,7 +133,7 @@ class InjectCorruption(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         """On the first attempt that has ``step`` ahead: write the marker and arm the fault on the last rank."""
-        from hf_lowzero.zero.faults import Fault, inject
+        from hf_lowzero.zero.integrity.reduction_faults import Fault, inject
 
         due = not self.marker.exists() and state.global_step < self.step
         dist.barrier()  # every rank checked the marker before it appears

@@ -1,7 +1,7 @@
 """Integrity failures on Ray: rollback to a verified snapshot, and a fault that repeats on one node.
 
 ``prepare_trainer`` wraps the Trainer's ``train`` with ``guard_train``; nothing else changes in the
-training function. What the checks are: [Note: integrity checks] in ``hf_lowzero/zero/integrity.py``.
+training function. What the checks are: [Note: integrity checks] in ``hf_lowzero/zero/integrity/checker.py``.
 
 Example (inside a Ray Train training function)::
 
@@ -38,7 +38,7 @@ import ray.train
 import torch.distributed as dist
 
 from hf_lowzero.ray.events import designed
-from hf_lowzero.zero.integrity import IntegrityError
+from hf_lowzero.zero.integrity.checker import IntegrityError
 
 FAILURES_DIR = "hf_lowzero_integrity"
 logger = logging.getLogger(__name__)

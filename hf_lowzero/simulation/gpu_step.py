@@ -40,7 +40,7 @@ from torch import nn
 
 from hf_lowzero.simulation.nccl import Collective, NcclRuleError, compare_sequences, simulated_world
 from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
-from hf_lowzero.zero import device as dev
+from hf_lowzero.zero.runtime import device as dev
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PHASES = ("forward", "backward", "step", "gather")  # where host syncs are counted
@@ -173,8 +173,8 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
 
     from hf_lowzero.checkpoint import full_state_dict, save_checkpoint
     from hf_lowzero.snapshot import ShardStager
-    from hf_lowzero.zero.config import ZeroConfig
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+    from hf_lowzero.zero.zero_config import ZeroConfig
 
     device = torch.device("cuda", rank % 8)  # model.to(f"cuda:{rank}"); the current device stays 0
     checker = AccessChecker()

@@ -1,7 +1,7 @@
 """A process group that moves no data and enforces NCCL's rules, for one simulated rank.
 
 ``SimulatedGroup`` is registered as the torch.distributed backend ``"hf_lowzero_sim"``;
-``hf_lowzero.zero.comm`` takes the code paths of the backend it ``stands_for`` (``"nccl"``). Every
+``hf_lowzero.zero.runtime.comm`` takes the code paths of the backend it ``stands_for`` (``"nccl"``). Every
 collective is checked as NCCL would check it or fail at it, recorded in the rank's ``sequence``,
 and reported to the ``AccessChecker`` as work on NCCL's stream ([Note: ordering model] in
 ``streams.py``):
@@ -167,7 +167,7 @@ class SimulatedGroup(dist.ProcessGroup):
                 raise NcclRuleError(
                     f"rank {self.world.rank}: {op} through {device} with {current} current, but this rank's GPU is "
                     f"{self.world.device}: NCCL's object collectives use the current CUDA device; run them under "
-                    "the params' device (hf_lowzero.zero.device.on_device)"
+                    "the params' device (hf_lowzero.zero.runtime.device.on_device)"
                 )
         self.world.sequence.append(Collective(op, None, (0, 0)))
         return [obj] * self.size()

@@ -1,6 +1,6 @@
 """Fake CUDA streams and events that check the order of every access, for a step on fake tensors.
 
-``FakeCudaOps`` stands in for ``hf_lowzero.zero.device.CudaOps`` (``device.use_ops``): streams and
+``FakeCudaOps`` stands in for ``hf_lowzero.zero.runtime.device.CudaOps`` (``device.use_ops``): streams and
 events are Python objects, pinned buffers fake host tensors. ``AccessChecker``, a dispatch mode
 entered inside ``FakeTensorMode``, sees every tensor operation and tracks who may see whose writes,
 as CUDA orders them ([Note: ordering model]); an access that CUDA would not order after a conflicting
@@ -58,7 +58,7 @@ class RaceError(RuntimeError):
 
 class StaleReadError(RuntimeError):
     """A param read while its all-gather is in flight: it holds the previous step's values
-    ([Note: overlapped all-gather] in ``zero/allgather.py``)."""
+    ([Note: overlapped all-gather] in ``zero/update/allgather.py``)."""
 
 
 @dataclass(eq=False)
@@ -171,7 +171,7 @@ class AccessChecker(TorchDispatchMode):
                 f"{what} reads parameter {self.stale[_storage(t)]!r} while its all-gather is in flight: on a GPU it "
                 "would see the previous step's values. A param must be read in the forward of a module that holds "
                 "it, or after LowLevelZeroOptimizer.wait_for_params() ([Note: overlapped all-gather] in "
-                "zero/allgather.py)."
+                "zero/update/allgather.py)."
             )
         state = self._history(t)
         start, end = _span(t)
@@ -184,7 +184,7 @@ class AccessChecker(TorchDispatchMode):
                 raise RaceError(
                     f"{_name(key)} {action} memory that {_name(ctx)} accessed ({r_what}) without waiting for it: "
                     f"{what} could run before that access completes on a real GPU. Order it with an event "
-                    "(hf_lowzero.zero.device: record_event, stream_waits, host_waits)."
+                    "(hf_lowzero.zero.runtime.device: record_event, stream_waits, host_waits)."
                 )
             # A write supersedes what it covers (everything after it is checked against it); a read
             # supersedes this context's earlier reads of the range.
@@ -207,7 +207,7 @@ class AccessChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs.get("pin_memory") or func in (aten._pin_memory.default, aten.pin_memory.default):
-            # rounded up to a power of two ([Note: exact pinned memory] in zero/device.py)
+            # rounded up to a power of two ([Note: exact pinned memory] in zero/runtime/device.py)
             self.caching_pinned.append(str(func))
         if func is aten._local_scalar_dense.default:
             (t,) = args
@@ -265,7 +265,7 @@ class AccessChecker(TorchDispatchMode):
 
 
 class FakeCudaOps:
-    """The stand-in for ``hf_lowzero.zero.device.CudaOps`` on fake tensors, reporting to ``checker``.
+    """The stand-in for ``hf_lowzero.zero.runtime.device.CudaOps`` on fake tensors, reporting to ``checker``.
 
     ``current_device`` is the CUDA device current in this process (0: a user who never called
     ``torch.cuda.set_device``); ``on_device`` changes it, and the NCCL stand-in checks object

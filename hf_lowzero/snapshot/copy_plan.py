@@ -36,7 +36,7 @@ import torch
 from hf_lowzero.checkpoint.save import shard_tensors, state_record
 from hf_lowzero.checkpoint.shards import ShardView, scalar_to_json
 from hf_lowzero.snapshot.file_layout import file_layout
-from hf_lowzero.zero.memory import is_packed
+from hf_lowzero.zero.runtime.memory import is_packed
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_lowzero.checkpoint.shards import unsharded_state
-from hf_lowzero.zero.params import canonical_name
+from hf_lowzero.zero.layout.params import canonical_name
 
 Place = tuple[torch.nn.Module, str, str]  # module, "_parameters" or "_buffers", the name in it
 

@@ -21,7 +21,7 @@ Example::
 # On CUDA the copy itself is asynchronous: it runs on a side stream of the params' device into
 # pinned buffers, after the step's kernels, while the next forward and backward run; every later
 # writer of the copied tensors (the next step, a train()/eval() switch, a load) waits for it at the
-# optimizer's gate ([Note: one gate for the shard's writers] in ``zero/write_gate.py``), and the
+# optimizer's gate ([Note: one gate for the shard's writers] in ``zero/update/write_gate.py``), and the
 # encoder waits for the copy's event before it reads the buffer.
 
 # [Note: packed staging]
@@ -71,7 +71,7 @@ from hf_lowzero.snapshot.file_layout import file_layout
 from hf_lowzero.snapshot.format import Manifest, Piece, encode_piece, write_piece
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.model_extras import ModelExtras
-from hf_lowzero.zero import device as dev
+from hf_lowzero.zero.runtime import device as dev
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer

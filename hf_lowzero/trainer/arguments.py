@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import TrainingArguments
 
-from hf_lowzero.zero.config import ZeroConfig, check_stage
+from hf_lowzero.zero.zero_config import ZeroConfig, check_stage
 
 
 class ZeroArguments:
@@ -101,7 +101,7 @@ class ZeroArguments:
         base.update({k: v for k, v in flags.items() if v is not None})
         if self.torch_compile and "overlap_allgather" not in base:
             # The forward pre-hooks that wait for each bucket's gather would break the compiled graph
-            # at every module ([Note: overlapped all-gather] in zero/allgather.py): step() waits instead.
+            # at every module ([Note: overlapped all-gather] in zero/update/allgather.py): step() waits instead.
             base["overlap_allgather"] = False
         stage = 2 if self.zero_stage in (0, "auto") else self.zero_stage
         base.update({"stage": stage, "clip_grad_norm": float(self.max_grad_norm or 0.0)} | overrides)

@@ -1,4 +1,4 @@
-"""The Trainer's callbacks see current params ([Note: params are current] in ``zero/allgather.py``).
+"""The Trainer's callbacks see current params ([Note: params are current] in ``zero/update/allgather.py``).
 
 With ``overlap_allgather`` the optimizer's step returns with the all-gathers of the updated params in
 flight. A callback that reads params at ``on_step_end`` (an EMA of the weights, a norm it logs) must

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from hf_lowzero.zero.inner import choose_partition, partition_for
+from hf_lowzero.zero.inner.policy import choose_partition, partition_for
+from hf_lowzero.zero.layout.params import managed_slots
 from hf_lowzero.zero.optimizer import check_inner_optimizer
-from hf_lowzero.zero.params import managed_slots
 
 
 def _conflict(flag: str, why: str, fix: str) -> ValueError:

@@ -55,9 +55,9 @@ from hf_lowzero.trainer.callbacks import gate_callbacks
 from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
-from hf_lowzero.zero.config import parse_dtype
+from hf_lowzero.zero.layout.params import canonical_name
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
-from hf_lowzero.zero.params import canonical_name
+from hf_lowzero.zero.zero_config import parse_dtype
 
 SCHEDULER_NAME = "scheduler.pt"
 logger = logging.getLogger(__name__)
@@ -141,11 +141,11 @@ class LowZeroTrainer(Trainer):
     def _zero_backward(self, loss: torch.Tensor, **kwargs) -> None:
         # Scales fp16 losses, and synchronizes even where no param got a gradient. Integrity checks
         # number steps as the Trainer does (a resumed run goes on counting from its checkpoint).
-        self.zero_optimizer.integrity.step = self.state.global_step + 1
+        self.zero_optimizer.step_number = self.state.global_step + 1
         self.zero_optimizer.backward(loss, **kwargs)
 
     def _wait_for_params(self) -> None:
-        # [Note: params are current] in zero/allgather.py
+        # [Note: params are current] in zero/update/allgather.py
         if self.zero_optimizer is not None:
             self.zero_optimizer.wait_for_params()
 
@@ -176,7 +176,7 @@ class LowZeroTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def _zero_no_sync(self, model=None):
-        if self.zero_optimizer is not None and self.zero_optimizer.reducer.allows_no_sync:
+        if self.zero_optimizer is not None and self.zero_optimizer.allows_no_sync:
             return self.zero_optimizer.no_sync()
         return contextlib.nullcontext()
 
@@ -251,8 +251,9 @@ class LowZeroTrainer(Trainer):
         if self.zero_enabled and self.zero_optimizer is not None and "loss" in logs:
             logs["loss_scale"] = self.zero_optimizer.loss_scale
             logs["skipped_steps"] = self.zero_optimizer.skipped_steps
-            if self.zero_optimizer.integrity.enabled:
-                logs["integrity_checks"] = self.zero_optimizer.integrity.checks
+            checks = self.zero_optimizer.integrity_checks
+            if checks is not None:
+                logs["integrity_checks"] = checks
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------ checkpoints

@@ -24,7 +24,7 @@ from hf_lowzero.ray.reporting import UPLOAD_MODES
 from hf_lowzero.ray.snapshot_plan import check_every
 from hf_lowzero.recipes.clm import ClmArguments
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, parse_stage
-from hf_lowzero.zero.config import ON_MISMATCH, ZeroConfig, check_verify_every
+from hf_lowzero.zero.zero_config import ON_MISMATCH, ZeroConfig, check_verify_every
 
 # Fields whose flag name differs from the TrainingArguments field they set.
 TRAINING_ARGUMENT_NAMES = {

@@ -1,0 +1,185 @@
+"""The gradient store: where this rank's reduced gradients accumulate, on the params' device or,
+for optimizer offload, in host memory.
+
+Both keep one flat fp32 tensor in the owned space (bucket after bucket, ``layout/packing.py``). ``accept``
+takes a bucket's reduced chunk (the params' device, the communication dtype) right after its
+collective finished: the first contribution since the last step is copied, later ones
+(accumulation) added, always in fp32.
+
+Example::
+
+    store = make_grad_store(buckets, offload=True, pin_memory=True, shard=shard)
+    store.accept(bucket, reduced_chunk, first=True)   # async D2H on CUDA
+    store.chunk(bucket)                                # waits for that copy, then returns the host chunk
+
+# [Note: host copies]
+# With offload on CUDA, a bucket's reduced chunk is copied to pinned host memory on a side stream
+# that first waits for an event recorded on the params' device's compute stream after the
+# collective (so the copy never reads a chunk still being reduced; [Note: the params' device] in
+# ``runtime/device.py``), while backward goes on. The chunk's allocation is tied to the copy stream
+# (``record_stream``), so the caching allocator cannot reuse it before the copy is done. Every copy
+# records a completion event, and nothing reads (or rewrites) a staging buffer or a host chunk
+# before that event completed. Backward never waits for one ([Note: one host sync per step] in
+# ``update/step.py``): a later micro-batch's copy of the same bucket asks whether earlier ones completed
+# (``event_done``, a query), adds those into the chunk and reuses their staging buffers, and stages
+# into another buffer otherwise; the step waits once, for the newest copy (copies on one stream
+# complete in order), and adds what is left, micro-batch by micro-batch: the same additions in the
+# same order as before. ``clear()`` waits too, before staging buffers are written again. On CPU the
+# same path runs with ordinary copies and no events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.packing import bucket_view, piece_view
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.memory import same_memory
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
+
+GRAD_DTYPE = torch.float32  # gradient rows, whatever the params' and the masters' dtype
+
+
+class DeviceGradStore:
+    """fp32 gradients of this rank's pieces, on the params' device."""
+
+    offloaded = False
+
+    def __init__(self, buckets: list[Bucket], *, shard: ShardGroup) -> None:
+        self.flat = torch.zeros(sum(b.row_numel for b in buckets), dtype=GRAD_DTYPE, device=shard.device)
+
+    def view(self, bucket: Bucket) -> torch.Tensor:
+        return bucket_view(self.flat, bucket)
+
+    def piece(self, slot: ParamSlot) -> torch.Tensor:
+        """One param's piece (1D, ``row_numel``, possibly empty); valid for the store's lifetime."""
+        return piece_view(self.flat, slot)
+
+    def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
+        """Where a collective may write its result itself (saving a copy), or None."""
+        return self.view(bucket) if first and dtype == GRAD_DTYPE else None
+
+    def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
+        chunk = self.view(bucket)
+        if same_memory(reduced, chunk):
+            return  # the collective wrote into the chunk (direct_target)
+        chunk.copy_(reduced) if first else chunk.add_(reduced)
+
+    def chunk(self, bucket: Bucket) -> torch.Tensor:
+        return self.view(bucket)
+
+    def clear(self) -> None:
+        pass
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer this store holds (for the memory report)."""
+        return [self.flat]
+
+
+class HostGradStore(DeviceGradStore):
+    """fp32 gradients in host memory (optimizer offload); see [Note: host copies]."""
+
+    offloaded = True
+
+    def __init__(self, buckets: list[Bucket], *, pin_memory: bool, shard: ShardGroup) -> None:
+        self.device, self._buckets = shard.device, buckets
+        self.pin = pin_memory and self.device.type == "cuda"
+        self.flat = dev.host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
+        self.stream = dev.side_stream(self.device)  # None on CPU
+        self._staging: dict[int, list[torch.Tensor]] = {}  # bucket index -> every staging buffer it made
+        self._free: dict[int, list[torch.Tensor]] = {}  # bucket index -> its staging buffers not in use
+        self._pending: dict[int, list[_Copy]] = {}  # bucket index -> its copies not yet added, in order
+        self._last = None  # the event of the newest copy: every earlier one completed before it
+
+    def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
+        # On CPU the host chunk are the device's memory: reduce straight into them.
+        return self.view(bucket) if first and dtype == GRAD_DTYPE and self.stream is None else None
+
+    def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
+        chunk = self.view(bucket)
+        if same_memory(reduced, chunk):
+            return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
+        pending = self._pending.setdefault(bucket.index, [])
+        self._settle(bucket.index, wait=False)  # copies of earlier micro-batches that already landed
+        # An fp32 first contribution lands in the host chunk directly; anything to add is staged.
+        direct = first and reduced.dtype == GRAD_DTYPE
+        target = chunk if direct else self._staging_for(bucket, reduced.dtype)
+        event = None
+        if self.stream is None:
+            target.copy_(reduced)
+        else:
+            # After the collective's wait, on the params' device ([Note: host copies]).
+            dev.stream_waits(self.stream, dev.record_event(dev.current_stream(self.device)))
+            with dev.on_stream(self.stream):
+                target.copy_(reduced, non_blocking=True)
+            dev.keep_alive(reduced, self.stream)
+            event = self._last = dev.record_event(self.stream)
+        pending.append(_Copy(None if direct else target, event, first))
+        if self.stream is None:
+            self._settle(bucket.index, wait=False)
+
+    def _staging_for(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.setdefault(bucket.index, [])
+        while free and free[-1].dtype != dtype:  # the communication dtype changed: make new ones
+            free.pop()
+        if free:
+            return free.pop()
+        staging = dev.host_buffer(bucket.row_numel, dtype, self.pin)
+        self._staging.setdefault(bucket.index, []).append(staging)
+        return staging
+
+    def _settle(self, index: int, wait: bool) -> None:
+        """Add bucket ``index``'s landed copies into its chunk, in order; with ``wait`` all of them
+        (the caller waited for the newest copy), otherwise those whose copy already completed (a
+        query, never a wait: [Note: host copies])."""
+        pending = self._pending.get(index)
+        while pending and (wait or pending[0].event is None or dev.event_done(pending[0].event)):
+            copy = pending.pop(0)
+            if copy.staging is not None:
+                chunk = self.view(self._buckets[index])
+                chunk.copy_(copy.staging) if copy.first else chunk.add_(copy.staging)
+                self._free.setdefault(index, []).append(copy.staging)
+
+    def chunk(self, bucket: Bucket) -> torch.Tensor:
+        self.settle_all()
+        return self.view(bucket)
+
+    def settle_all(self) -> None:
+        """Every copy landed and added: one host wait for the newest (the step's; [Note: host copies])."""
+        if not any(self._pending.values()):
+            return
+        dev.host_waits(self._last)
+        for index in list(self._pending):
+            self._settle(index, wait=True)
+
+    def clear(self) -> None:
+        if any(self._pending.values()):
+            dev.host_waits(self._last)  # a staging buffer may be written again only after its copy
+        self._pending.clear()
+        for index, buffers in self._staging.items():
+            self._free[index] = list(buffers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat, *(t for buffers in self._staging.values() for t in buffers)]
+
+
+@dataclass(frozen=True, eq=False)
+class _Copy:
+    """A reduced chunk on its way to the host: where it lands (a staging buffer, or None: the chunk
+    itself), the event it completes with (None on CPU), and whether it is the first contribution."""
+
+    staging: torch.Tensor | None
+    event: object
+    first: bool
+
+
+def make_grad_store(
+    buckets: list[Bucket], *, offload: bool, pin_memory: bool, shard: ShardGroup
+) -> DeviceGradStore | HostGradStore:
+    if offload:
+        return HostGradStore(buckets, pin_memory=pin_memory, shard=shard)
+    return DeviceGradStore(buckets, shard=shard)

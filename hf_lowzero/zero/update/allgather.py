@@ -1,0 +1,252 @@
+"""The all-gather of the updated master rows back into the model's params, and the gate that every
+reader of the params passes while gathers are in flight.
+
+Example::
+
+    gather = ParamGather(slots, buckets, master.flat, master.gate, pool=pool, defer=True, shard=shard)
+    gather.issue()             # after the inner step: every bucket's gather in flight, forward order
+    model(**batch)             # each module's first use waits for its buckets' gathers alone
+    gather.wait_all()          # anything else that reads params: every gather landed
+
+# [Note: overlapped all-gather]
+# After a step every rank must see every updated param. ``issue`` starts one gather per bucket (an
+# all-gather of the rows, or the uneven exchange of whole params: [Note: uneven exchanges] in
+# ``runtime/comm.py``), in the order the next forward needs them: buckets are planned in reverse
+# registration order ([Note: bucket order] in ``layout/buckets.py``), so the forward's order is the plan's
+# reversed. It is the same on every rank, so the collectives match whatever each rank's forward does.
+#
+# With ``defer`` (``ZeroConfig.overlap_allgather``, the default) nothing waits in the step: a
+# forward pre-hook on every module that holds a managed param finishes (waits for and unpacks) the
+# gathers of that module's buckets when the module is first called, so the next forward's first
+# layers wait for their own bucket while the later buckets are still on the wire (ColossalAI's
+# ``overlap_allgather``, FSDP2's prefetch). On a GPU the wait is a stream wait, never a host sync.
+# Every other reader of the params passes ``wait_all`` first ([Note: params are current]); the
+# step passes it before it writes the masters the gathers read.
+#
+# The rule this needs, as FSDP2's does: a param is read in the forward of a module that holds it
+# (tied weights are held by each module that shares them). A model that reads another module's
+# weight directly (``F.embedding(ids, self.wte.weight)`` in its own forward) would read the previous
+# step's values. Such a read cannot go unnoticed: each backward records the buckets still pending
+# when it begins (``stale_slots``: no module of theirs ran in the forward), and a param of theirs
+# that gets a gradient in that backward was read before its gather landed; the step then stops with
+# an error on every rank, naming it, before the update. Pending gathers land at the step, after
+# backward: landing during backward would change tensors autograd saved from the stale read. The GPU
+# simulation (``hf_lowzero.simulation``) fails any read of a param whose gather is pending, naming it.
+#
+# Memory: until the forward reaches them, every bucket's gathered buffer is alive at once (one copy
+# of the trainable params in their dtype, and with 16-bit params a 16-bit copy of this rank's rows),
+# at a point where the step's activations are freed; each is released as its bucket is unpacked.
+# Without ``defer`` at most MAX_GATHERS_IN_FLIGHT are alive, all waited inside the step.
+
+# [Note: params are current]
+# Reads of params outside the training forward wait for every gather first: ``model.state_dict()``
+# and ``model.load_state_dict()`` (pre-hooks on each module holding a managed param: a loaded
+# weight must not be overwritten by a gather landing later), the optimizer's ``state_dict()`` and every
+# writer of the shard, the step (before the masters the gathers read change), checkpoints,
+# snapshots and exports (they go through ``state_dict()``), and in the Trainer evaluation,
+# prediction, saving and the callbacks of each event (``trainer/trainer.py``). Code that uses the
+# optimizer alone and reads params between ``step()`` and the next forward calls
+# ``LowLevelZeroOptimizer.wait_for_params()``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.packing import UnpackPlan, bucket_view, unpack_bucket, unpack_targets
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.buffers import BufferPool
+from hf_lowzero.zero.runtime.shard_group import ShardGroup
+from hf_lowzero.zero.update.write_gate import WriteGate
+
+MAX_GATHERS_IN_FLIGHT = 2  # without deferral: bounds the transient all-gather buffers
+
+
+@dataclass(frozen=True, eq=False)
+class Gather:
+    """A bucket's gather back into the params in flight: what to wait for and what it reads and
+    writes, until it is unpacked."""
+
+    bucket: Bucket
+    work: object
+    chunk: torch.Tensor  # this rank's updated chunk, in the params' dtype
+    out: torch.Tensor  # every rank's chunks, rank-major
+    copied: bool  # chunk is a copy of the master rows (goes back to the pool), not the rows themselves
+
+
+class ParamGather:
+    """Gathers the master rows (``flat``, in the owned space) into the params of ``slots``, bucket
+    by bucket ([Note: overlapped all-gather]). ``gate``: the shard's write gate, told about the
+    device's reads of host-resident (offloaded) rows."""
+
+    def __init__(
+        self,
+        slots: list[ParamSlot],
+        buckets: list[Bucket],
+        flat: torch.Tensor,
+        gate: WriteGate,
+        *,
+        pool: BufferPool,
+        defer: bool,
+        shard: ShardGroup,
+    ) -> None:
+        self.slots, self.buckets, self.flat, self.gate = slots, buckets, flat, gate
+        self.shard, self.pool = shard, pool
+        self.defer = defer and shard.world_size > 1  # one rank gathers nothing: the copy is the unpack
+        self.pending: dict[int, Gather] = {}  # bucket index -> its gather in flight (deferred)
+        self._targets: list[UnpackPlan] = [unpack_targets(b, world_size=shard.world_size) for b in buckets]
+        self._params = [[s.param for s in b.slots] for b in buckets]
+        self._names = [[s.name for s in b.slots] for b in buckets]
+        self._hooks: list = []
+
+    # -------------------------------------------------------------------------------- issue
+
+    @torch.no_grad()
+    def issue(self, defer: bool | None = None) -> None:
+        """Start every bucket's gather, in forward order. Deferred (``self.defer``, or ``defer``
+        given): return with them in flight; otherwise wait for each (at most
+        MAX_GATHERS_IN_FLIGHT at once) and return with the params current."""
+        self.wait_all()  # a gather never overlaps the next one into the same params
+        defer = self.defer if defer is None else defer and self.shard.world_size > 1
+        in_flight: list[Gather] = []
+        with dev.phase("gather"):
+            for bucket in reversed(self.buckets):  # the forward's order ([Note: overlapped all-gather])
+                gather = self._start(bucket)
+                if gather is None:
+                    continue
+                if defer:
+                    self.pending[bucket.index] = gather
+                    continue
+                in_flight.append(gather)
+                if len(in_flight) >= MAX_GATHERS_IN_FLIGHT:
+                    self._finish(in_flight.pop(0))
+            for gather in in_flight:
+                self._finish(gather)
+        if self.flat.device != self.shard.device:  # host rows were read by copies on the device's stream
+            self.gate.read_by(dev.record_event(dev.current_stream(self.shard.device)))
+
+    def _start(self, bucket: Bucket) -> Gather | None:
+        master_rows = bucket_view(self.flat, bucket)
+        rows = master_rows.to(bucket.device, non_blocking=True)
+        if rows.dtype != bucket.dtype:
+            rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
+        copied = rows is not master_rows  # identity, not data_ptr(): this runs under FakeTensorMode too
+        if self.shard.world_size == 1:  # the rows are the whole params: nothing to gather
+            with record_function("hf_lowzero::unpack_bucket"):
+                unpack_bucket(bucket, rows, world_size=1, targets=self._targets[bucket.index])
+            if copied:
+                self.pool.give(rows)
+            return None
+        out = self.pool.take(bucket.packed_numel, bucket.dtype, bucket.device)
+        if not bucket.whole:
+            work = comm.all_gather(out, rows, self.shard.group, async_op=True)
+        else:
+            work = comm.gather_from_owners(out, rows, list(bucket.chunks), self.shard.group, async_op=True)
+        dev.mark_stale(self._params[bucket.index], self._names[bucket.index])
+        return Gather(bucket, work, rows, out, copied)
+
+    def _finish(self, gather: Gather) -> None:
+        with record_function("hf_lowzero::all_gather_wait"):
+            comm.wait(gather.work)  # chunk and out stay referenced until here
+        bucket = gather.bucket
+        dev.mark_current(self._params[bucket.index])
+        with record_function("hf_lowzero::unpack_bucket"):
+            unpack_bucket(bucket, gather.out, world_size=self.shard.world_size, targets=self._targets[bucket.index])
+        self.pool.give(gather.out)
+        if gather.copied:
+            self.pool.give(gather.chunk)
+
+    # --------------------------------------------------------------------------------- wait
+
+    @torch.no_grad()
+    def wait(self, indices: tuple[int, ...]) -> None:
+        """Finish the pending gathers of buckets ``indices`` (a module's, at its first forward use)."""
+        if not self.pending:
+            return
+        with dev.phase("gather"):
+            for index in indices:
+                gather = self.pending.pop(index, None)
+                if gather is not None:
+                    self._finish(gather)
+
+    @torch.no_grad()
+    def wait_all(self) -> None:
+        """[Note: params are current]: finish every pending gather, in the order they were issued."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
+        with dev.phase("gather"):
+            for gather in pending.values():
+                self._finish(gather)
+
+    def stale_slots(self) -> list[int]:
+        """Slot indices of the params whose gathers are still pending (see [Note: overlapped all-gather])."""
+        return [slot.index for index in self.pending for slot in self.buckets[index].slots]
+
+    # -------------------------------------------------------------------------------- hooks
+
+    def attach(self, model: nn.Module) -> None:
+        """Forward pre-hooks (each module holding a managed param waits for its buckets) and
+        state-dict pre-hooks (``model.state_dict()`` and ``model.load_state_dict()`` wait for all:
+        a load must not be overwritten by a gather landing later). Held weakly, as the backward
+        hooks are ([Note: hooks hold the optimizer weakly] in ``grads/backward.py``)."""
+        if not self.defer:
+            return  # nothing is ever pending
+        bucket_of = {id(slot.param): slot.bucket_index for slot in self.slots}
+        this = weakref.ref(self)
+
+        def waits_for(indices: tuple[int, ...]):
+            def forward_pre_hook(_module, _args) -> None:
+                gather = this()
+                if gather is not None and gather.pending:
+                    gather.wait(indices)
+
+            return forward_pre_hook
+
+        def state_dict_pre_hook(*_args, **_kwargs) -> None:
+            gather = this()
+            if gather is not None:
+                gather.wait_all()
+
+        for module in model.modules():
+            own = {bucket_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in bucket_of}
+            if not own:
+                continue
+            indices = tuple(sorted(own, reverse=True))  # the forward's order
+            self._hooks.append(module.register_forward_pre_hook(waits_for(indices)))
+            self._hooks.append(module.register_state_dict_pre_hook(state_dict_pre_hook))
+            self._hooks.append(module.register_load_state_dict_pre_hook(state_dict_pre_hook))
+        self._hooks.append(model.register_state_dict_pre_hook(state_dict_pre_hook))
+        self._hooks.append(model.register_load_state_dict_pre_hook(state_dict_pre_hook))
+
+    def detach(self) -> None:
+        """Remove every hook ``attach`` added (the pending gathers are finished first)."""
+        self.wait_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def stale_read_message(names: list[str], *, rank: int) -> str:
+    """The error of a step whose forward read params before their gathers landed (``names``: this
+    rank's; none: another rank's)."""
+    where = (
+        f"on rank {rank}, {names[:5]}{'...' if len(names) > 5 else ''} got gradients although"
+        if names
+        else "on another rank (its error names them), params got gradients although"
+    )
+    return (
+        f"{where} their all-gather was still in flight when backward began: the forward read them outside "
+        "the forward of a module that holds them, so it used the previous step's values (see [Note: overlapped "
+        "all-gather] in hf_lowzero/zero/update/allgather.py). Nothing was updated. Read each weight through its module "
+        "(call the module, or tie the weight into the module that uses it), or pass overlap_allgather=False "
+        "(Trainer: --zero_overlap_allgather false)."
+    )
