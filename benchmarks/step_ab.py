@@ -10,8 +10,6 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
 - ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
   ``POINT_TO_POINT_MIN_BYTES`` too, instead of gloo's own collectives ([Note: gloo point-to-point]
   in ``comm.py``);
-- ``zero2_float64_norm``: the gradient norm as one float64 reduction per row instead of fp32 block
-  norms summed in float64 ([Note: blocked norm] in ``norm.py``);
 - ``zero2_no_norm_sync``, a diagnostic, not a candidate: the step skips the one all-reduce of the
   squared norm and the used-param flags, so each rank takes its own rows' norm. What that sync costs
   per step. It trains the same here only because nothing is clipped and every param is used on
@@ -36,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import hf_lowzero.zero.optimizer as zero_optimizer  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     ManySmall,
@@ -65,21 +62,21 @@ def no_all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op: str =
 
 
 CURRENT = {name: getattr(comm, name) for name in ("POINT_TO_POINT_MIN_BYTES", "all_reduce")}
-VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the current code, norm function)
-    "ddp_fused": ("ddp_fused", {}, squared_norm),
-    "zero1": ("zero1", {}, squared_norm),
-    "zero2": ("zero2", {}, squared_norm),
-    "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}, squared_norm),
-    "zero2_float64_norm": ("zero2", {}, float64_squared_norm),  # the norm before [Note: blocked norm]
-    "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}, squared_norm),
+# The float64 norm's step-level variant is gone: the step's norm is the blocked one, inside
+# StepStats.decide, and nothing swaps it; the two norms are compared directly below (norm_timings).
+VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the current code)
+    "ddp_fused": ("ddp_fused", {}),
+    "zero1": ("zero1", {}),
+    "zero2": ("zero2", {}),
+    "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}),
+    "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}),
 }
 
 
 def use(variant: str) -> None:
-    _, limits, norm = VARIANTS[variant]
+    _, limits = VARIANTS[variant]
     for name, value in (CURRENT | limits).items():
         setattr(comm, name, value)
-    zero_optimizer.squared_norm = norm
 
 
 def collective_timings(repeats: int = 40, compute_ms: float = 2.0) -> list[dict]:
@@ -167,8 +164,8 @@ def main() -> None:
         "steps; ms_per_step = median over rounds; vs_ddp_fused = per-round ratio to DDP with fused AdamW "
         "(median, min, max); max_param_diff = largest absolute difference of any param from ddp_fused's after "
         "all the steps. zero2_p2p_small_buckets: point-to-point exchanges for buckets under "
-        f"{comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_float64_norm: one float64 reduction per "
-        "row for the norm; zero2_no_norm_sync (a diagnostic: what the step's one small all-reduce costs): the "
+        f"{comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a diagnostic: what the step's "
+        "one small all-reduce costs): the "
         "norm/used-flags all-reduce skipped, each rank using its own rows' norm, which trains the same here "
         "only because nothing is clipped and every param is used on every rank."
     )
