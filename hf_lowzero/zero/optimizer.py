@@ -42,6 +42,7 @@ from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
+from hf_lowzero.zero.exact import ExactReducer, ExactStepStats
 from hf_lowzero.zero.grad_store import make_grad_store
 from hf_lowzero.zero.groups import HOOK_TABLES, ParamGroups
 from hf_lowzero.zero.inner import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
@@ -166,16 +167,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.config.verify_every,
             self.config.on_mismatch,
         )
-        self.reducer = BucketReducer(
-            self.buckets,
-            self.process_group,
-            self.world_size,
-            self.config.communication_dtype,
-            self.config.stage,
-            make_grad_store(self.buckets, self.device, offload, pin),
-            pool,
-            self.integrity,
-        )
+        store = make_grad_store(self.buckets, self.device, offload, pin)
+        group, world_size, stage = self.process_group, self.world_size, self.config.stage
+        if self.config.reduction == "exact":  # [Note: exact reduction]; replicas are still hashed, not sums
+            self.reducer = ExactReducer(self.buckets, group, world_size, stage, store, pool, len(self.slots), self.rank)
+        else:
+            self.reducer = BucketReducer(
+                self.buckets, group, world_size, self.config.communication_dtype, stage, store, pool, self.integrity
+            )
         cfg = self.config
         self.master = MasterRows(
             self.slots, self.buckets, rank=self.rank, device=self.device, offload=offload, pin_memory=pin,
@@ -186,7 +185,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             group=self.process_group, device=self.device, pool=pool, defer=cfg.overlap_allgather,
         )  # fmt: skip
         self._gather.attach(model)  # [Note: overlapped all-gather]
-        self._stats = StepStats(len(self.slots), self.device, self.process_group)
+        if self.config.reduction == "exact":
+            self._stats = ExactStepStats(self.reducer, self.slots, self.device, self.process_group)
+        else:
+            self._stats = StepStats(len(self.slots), self.device, self.process_group)
         self._stale_candidates: list[int] = []  # slots whose gathers were pending when the last backward began
         self._stale_reads: list[int] = []  # slots read before their gathers landed, in this step
         self._precision = make_master_precision(
@@ -460,15 +462,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             Nothing; backward passes inside only accumulate.
 
         Raises:
-            RuntimeError: Under stage 2, which must reduce every backward.
+            RuntimeError: Under stage 2 or ``reduction="exact"``, which must reduce every backward.
         """
         if not self.reducer.allows_no_sync:
-            raise RuntimeError(
-                "no_sync() is not available with ZeRO stage 2: gradients are sharded, so every "
-                "backward must reduce-scatter into the owned rows (keeping full local gradients "
-                "would undo stage 2's memory savings). Call backward() for every micro-batch "
-                "without no_sync(), or use stage=1."
-            )
+            raise RuntimeError(self.reducer.no_sync_refusal)
         previous = self._sync.enabled
         self._sync.enabled = False
         try:
