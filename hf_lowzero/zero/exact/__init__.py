@@ -5,7 +5,8 @@ not depend on the world size.
   (pure arithmetic on host numbers);
 - ``segments.py``: where each parameter lies in a packed bucket and in this rank's chunk;
 - ``reducer.py``: ``ExactReducer``, quantizing each micro-batch's bucket and summing it in int64;
-- ``step.py``: ``ExactStepStats``, the step's decision: conversion back to float, the exact norm, skips.
+- ``step.py``: ``ExactStepStats``, the step's decision: conversion back to float, the exact norm, skips;
+- ``kernels.py``: the inner optimizer's kernels that compute an element alike wherever it sits in a row.
 
 Example::
 
@@ -45,7 +46,8 @@ Example::
 # the RNG (seeded per global micro-batch). The Trainer does all three (``trainer/exact.py``).
 """
 
+from hf_lowzero.zero.exact.kernels import check_row_kernels
 from hf_lowzero.zero.exact.reducer import ExactReducer
 from hf_lowzero.zero.exact.step import ExactStepStats
 
-__all__ = ["ExactReducer", "ExactStepStats"]
+__all__ = ["ExactReducer", "ExactStepStats", "check_row_kernels"]
