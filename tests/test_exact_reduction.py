@@ -271,10 +271,11 @@ def test_row_kernels_compute_each_element_alike(cls, kwargs, foreach):
         assert torch.equal(steps([min(r * rows, n) for r in range(world_size + 1)]), whole), world_size
 
 
-def test_fused_cpu_kernel_refused_on_rows(single_rank_group):
+def test_fused_cpu_kernel_switched_to_foreach_on_rows(single_rank_group):
     model = WideNet()
-    with pytest.raises(ValueError, match=r"AdamW\(fused=True\) on row shards on the CPU"):
-        LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters(), fused=True), reduction="exact")
+    rows = torch.optim.AdamW(model.parameters(), fused=True)
+    LowLevelZeroOptimizer(model, rows, reduction="exact").remove_hooks()
+    assert [(g["fused"], g["foreach"]) for g in rows.param_groups] == [(False, True)]
     whole = torch.optim.AdamW(model.parameters(), fused=True)
     LowLevelZeroOptimizer(model, whole, reduction="exact", partition="params").remove_hooks()
     assert all(group["fused"] for group in whole.param_groups)

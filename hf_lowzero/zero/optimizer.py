@@ -42,7 +42,7 @@ from hf_lowzero.zero.backward import BackwardSync
 from hf_lowzero.zero.buckets import plan_buckets
 from hf_lowzero.zero.buffers import BufferPool
 from hf_lowzero.zero.config import ZeroConfig
-from hf_lowzero.zero.exact import ExactReducer, ExactStepStats, check_row_kernels
+from hf_lowzero.zero.exact import ExactReducer, ExactStepStats, use_row_invariant_kernels
 from hf_lowzero.zero.grad_store import make_grad_store
 from hf_lowzero.zero.groups import HOOK_TABLES, ParamGroups
 from hf_lowzero.zero.inner import check_fresh_optimizer, partition_for, prefer_fused_on_cpu
@@ -170,7 +170,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         store = make_grad_store(self.buckets, self.device, offload, pin)
         group, world_size, stage = self.process_group, self.world_size, self.config.stage
         if self.config.reduction == "exact":  # [Note: exact reduction]; replicas are still hashed, not sums
-            check_row_kernels(optimizer, self.partition, self.device)
+            use_row_invariant_kernels(optimizer, self.partition, self.device)  # exact/kernels.py
             self.reducer = ExactReducer(self.buckets, group, world_size, stage, store, pool, len(self.slots), self.rank)
         else:
             self.reducer = BucketReducer(

@@ -46,8 +46,8 @@ Example::
 # the RNG (seeded per global micro-batch). The Trainer does all three (``trainer/exact.py``).
 """
 
-from hf_lowzero.zero.exact.kernels import check_row_kernels
+from hf_lowzero.zero.exact.kernels import use_row_invariant_kernels
 from hf_lowzero.zero.exact.reducer import ExactReducer
 from hf_lowzero.zero.exact.step import ExactStepStats
 
-__all__ = ["ExactReducer", "ExactStepStats", "check_row_kernels"]
+__all__ = ["ExactReducer", "ExactStepStats", "use_row_invariant_kernels"]
