@@ -92,3 +92,35 @@ def test_micro_batch_seeds_differ():
     seeds = {micro_batch_seed(0, step, index) for step in range(50) for index in range(50)}
     assert len(seeds) == 2500 and all(0 <= s < 2**63 for s in seeds)
     assert micro_batch_seed(0, 3, 1) != micro_batch_seed(1, 3, 1)
+
+
+def test_arguments(tmp_path):
+    from transformers import HfArgumentParser
+
+    from hf_lowzero import LowZeroTrainingArguments
+
+    flags = ["--output_dir", str(tmp_path), "--use_cpu", "--zero_stage", "1", "--zero_reduction", "exact"]
+    (args,) = HfArgumentParser(LowZeroTrainingArguments).parse_args_into_dataclasses(flags)
+    assert args.to_zero_config().reduction == "exact"
+    assert LowZeroTrainingArguments(output_dir=str(tmp_path), zero_stage=2).to_zero_config().reduction == "ddp"
+    refusals = {
+        "needs zero_stage 1 or 2": dict(zero_stage=0),
+        "train_sampling_strategy='group_by_length'": dict(train_sampling_strategy="group_by_length"),
+        "needs average_tokens_across_devices=True": dict(average_tokens_across_devices=False),
+        "reduction='exactly' is invalid": dict(zero_reduction="exactly"),
+    }
+    for message, fields in refusals.items():
+        given = dict(output_dir=str(tmp_path), use_cpu=True, zero_stage=2, zero_reduction="exact") | fields
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            LowZeroTrainingArguments(**given)
+
+
+def test_partial_global_batch_refused(tmp_path, single_rank_group, monkeypatch):
+    """60 samples are 7 global batches of 8 and a half: the epoch's last step is refused, naming the numbers."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    epoch = dict(max_steps=-1, num_train_epochs=1)
+    args = make_args(tmp_path, 2, gradient_accumulation_steps=4, zero_reduction="exact", **epoch)
+    trainer = LowZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(n=60))
+    with pytest.raises(ValueError, match=r"this step has 2 micro-batches per rank.*batches of 2 x 4 x 1 samples"):
+        trainer.train()
+    assert trainer.state.global_step == 7
