@@ -171,7 +171,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         group, world_size, stage = self.process_group, self.world_size, self.config.stage
         if self.config.reduction == "exact":  # [Note: exact reduction]; replicas are still hashed, not sums
             use_row_invariant_kernels(optimizer, self.partition, self.device)  # exact/kernels.py
-            self.reducer = ExactReducer(self.buckets, group, world_size, stage, store, pool, len(self.slots), self.rank)
+            self.reducer = ExactReducer(
+                self.buckets, group, world_size, stage, store, pool, len(self.slots), self.rank, self.integrity.enabled
+            )
         else:
             self.reducer = BucketReducer(
                 self.buckets, group, world_size, self.config.communication_dtype, stage, store, pool, self.integrity

@@ -22,9 +22,9 @@ Example::
 # rounded once to a fixed-point grid 2^-s_p (s_p per parameter) and converted to int64, each as its
 # bucket is packed; the int64 values are summed exactly: over micro-batches into this rank's int64
 # accumulator, and over ranks by an int64 SUM reduce-scatter (gloo and NCCL sum int64). At the step
-# the sum is converted back once: x = fp32(float64(S) * 2^-s_p / D), D the number of contributions of
-# the step over all ranks (the mean; 1 where the losses were normalized globally already, as the
-# Trainer's token-count normalization does). Every value that enters this is the same at any W, given
+# the sum is converted back once: x = fp32(float64(S) * c_p), c_p = float64(2^-s_p / D), D the number
+# of contributions of the step over all ranks (the mean; 1 where the losses were normalized globally
+# already, as the Trainer's token-count normalization does). Every value that enters this is the same at any W, given
 # the same global micro-batches and deterministic kernels, so x is too, bit for bit.
 # - The grid is a function of state every W shares: the previous step's global max |contribution|
 #   per parameter M_p (an all-reduce MAX: exact, order-free) and the largest number of contributions

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 
@@ -33,11 +34,13 @@ from hf_lowzero.zero.memory import bytes_by_device, same_memory
 from hf_lowzero.zero.reducer import BucketReducer
 
 SUM_DTYPE = torch.int64
+logger = logging.getLogger(__name__)
 
 
 class ExactReducer(BucketReducer):
     """Reduces buckets into this rank's int64 accumulator (see the module docstring).
 
+    ``verifying``: integrity checks are on (they hash replicas; this reducer takes no checksums).
     ``average``: the step divides the exact sums by the number of contributions (backwards, over all
     ranks): the mean, for losses that are each micro-batch's own. False: no division, for losses
     already normalized over the whole step (the Trainer's token-count normalization).
@@ -53,8 +56,14 @@ class ExactReducer(BucketReducer):
         pool: BufferPool,
         params: int,
         rank: int,
+        verifying: bool = False,
     ) -> None:
         super().__init__(buckets, group, world_size, None, stage, store, pool)
+        if verifying:
+            logger.info(
+                "[hf_lowzero] reduction='exact': integrity checks compare the replicas only; the reductions' "
+                "random-sign checksums are float sums and are not taken on int64 buckets"
+            )
         self.allows_no_sync = False
         self.no_sync_refusal = (
             "no_sync() is not available with reduction='exact': each micro-batch's gradient must be rounded "

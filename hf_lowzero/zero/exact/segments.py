@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +68,12 @@ class Segments:
         return [grid[:, a : a + n] for a, n in zip(self.starts, self.lengths)]
 
     def max_abs(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[params]``: each listed param's largest |value| in ``flat`` (NaN where it holds a NaN)."""
+        """``[params]``: each listed param's largest |value| in ``flat`` (NaN where it holds a NaN).
+        From each view's max and min: no temporary, and faster than an inf-norm on the CPU."""
         views = self.views(flat)
         if not views:
             return torch.zeros(0, dtype=flat.dtype, device=flat.device)
-        return torch.stack(torch._foreach_norm(views, math.inf))
+        return torch.maximum(torch.stack([v.amax() for v in views]), torch.stack([v.amin() for v in views]).neg())
 
     def sums(self, flat: torch.Tensor) -> torch.Tensor:
         """``[params]``: each listed param's sum of |value| in ``flat``."""

@@ -55,10 +55,9 @@ class ExactStepStats:
         with record_function("hf_lowzero::exact_maxima"):
             maxima = torch.zeros(2 * n + self.world_size, dtype=torch.float64, device=self.device)
             maxima[:n] = reducer.max_abs
-            for bucket in held:
+            for bucket in held:  # int64 maxima: float64 rounds them as it rounds each sum, monotonically
                 owned = reducer.owned[bucket.index]
-                sums = reducer.accumulator(bucket).to(torch.float64)
-                maxima[n + owned.index] = owned.max_abs(sums)
+                maxima[n + owned.index] = owned.max_abs(reducer.accumulator(bucket)).to(torch.float64)
             maxima[2 * n + self.rank] = reducer.contributions
             comm.all_reduce(maxima, self.group, op="max")
             top = maxima.cpu().tolist()
@@ -71,11 +70,11 @@ class ExactStepStats:
         square_exps = [0] * n
         if not overflowed:
             divisor = float(max(count, 1)) if reducer.average else 1.0
-            exponents = grid.exponents()
+            factors = [2.0**-s / divisor for s in grid.exponents()]  # one multiply: deterministic, W-free
             with record_function("hf_lowzero::exact_convert"):
-                square_exps = square_exponents(_converted(sum_max, exponents, divisor), self.numels)
+                square_exps = square_exponents(_converted(sum_max, factors), self.numels)
                 for bucket in held:
-                    self._convert(bucket, exponents, divisor, square_exps, squares)
+                    self._convert(bucket, factors, square_exps, squares)
         flags = torch.cat([torch.tensor([float(stale_reads)]), used.to(torch.float64)])
         stats = torch.cat([squares, flags.to(self.device)])
         comm.all_reduce(stats, self.group)
@@ -88,21 +87,17 @@ class ExactStepStats:
         extra_back = None if extra is None else back[2 * n + 1 :]
         return StepVerdict(norm, back[n + 1 : 2 * n + 1] > 0, int(back[n].item()), extra_back)
 
-    def _convert(
-        self, bucket: Bucket, exponents: list[int], divisor: float, square_exps: list[int], squares: torch.Tensor
-    ) -> None:
+    def _convert(self, bucket: Bucket, factors: list[float], square_exps: list[int], squares: torch.Tensor) -> None:
         """``bucket``'s int64 sums -> its fp32 gradient rows, once; its params' rounded squares into ``squares``."""
         reducer = self.reducer
         owned = reducer.owned[bucket.index]
         rows = reducer.store.chunk(bucket)
         values = reducer.pool.take(bucket.row_numel, torch.float64, self.device)
         values.copy_(reducer.accumulator(bucket))
-        owned.scale(values, [2.0 ** -exponents[i] for i in owned.slots])  # exact: powers of two
-        if divisor != 1.0:
-            values.div_(divisor)
-        rows.copy_(values)  # the one rounding to fp32
+        owned.scale(values, [factors[i] for i in owned.slots])
+        rows.copy_(values)  # the rounding to fp32
         values.copy_(rows).square_()  # an fp32 value's square is exact in float64
-        owned.scale(values, [2.0 ** square_exps[i] for i in owned.slots])
+        owned.scale(values, [2.0 ** square_exps[i] for i in owned.slots])  # exact: powers of two
         values.round_()
         squares[owned.index] = owned.sums(values)  # integers summing below 2**53: exact in float64
         reducer.pool.give(values)
@@ -123,8 +118,7 @@ class ExactStepStats:
         return text
 
 
-def _converted(sum_max: list[float], exponents: list[int], divisor: float) -> list[float]:
+def _converted(sum_max: list[float], factors: list[float]) -> list[float]:
     """The conversion of ``_convert`` applied to each param's largest |sum|: its largest |gradient|
     (the conversion is monotone), computed with the same roundings."""
-    scaled = [m * 2.0**-s / divisor for m, s in zip(sum_max, exponents)]
-    return torch.tensor(scaled, dtype=torch.float64).to(torch.float32).tolist()
+    return torch.tensor([m * f for m, f in zip(sum_max, factors)], dtype=torch.float64).to(torch.float32).tolist()
