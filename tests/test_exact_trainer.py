@@ -124,3 +124,14 @@ def test_partial_global_batch_refused(tmp_path, single_rank_group, monkeypatch):
     with pytest.raises(ValueError, match=r"this step has 2 micro-batches per rank.*batches of 2 x 4 x 1 samples"):
         trainer.train()
     assert trainer.state.global_step == 7
+
+
+def test_resume_with_another_per_device_batch_refused(tmp_path, single_rank_group, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    saved = dict(max_steps=2, save_strategy="steps", save_steps=2, zero_reduction="exact")
+    LowZeroTrainer(model=tiny_gpt2(), args=make_args(tmp_path, 2, **saved), train_dataset=TokenDataset(n=64)).train()
+    args = make_args(tmp_path, 2, per_device_train_batch_size=4, gradient_accumulation_steps=1, **saved)
+    trainer = LowZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(n=64))
+    message = r"checkpoint-2 was trained with per_device_train_batch_size=2, this run has 4.*Resume with"
+    with pytest.raises(ValueError, match=message):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

@@ -20,6 +20,7 @@ the world size ([Note: exact reduction] in ``zero/exact/__init__.py`` makes the 
 #   what it would have been.
 # - The RNG (dropout). Before each micro-batch's forward the RNG is seeded from (seed, step, global
 #   micro-batch index); this rank's j-th micro-batch of the step is global micro-batch j W + rank.
+# Resuming with another per-device batch is refused (``check_resume``): other micro-batches, other sums.
 # The kernels must sum alike too: the same per-device batch and, on CPU, the same number of threads per
 # rank (accelerate sets cores / W unless OMP_NUM_THREADS is set: a warning says so); on GPUs,
 # deterministic algorithms (``torch.use_deterministic_algorithms``).
@@ -29,8 +30,10 @@ the world size ([Note: exact reduction] in ``zero/exact/__init__.py`` makes the 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -109,6 +112,25 @@ class ExactSteps:
         finally:
             trainer.loss_is_scaled_for_ga = previous
         return loss / trainer.current_gradient_accumulation_steps
+
+    def check_resume(self, checkpoint: str) -> None:
+        """Refuse to resume ``checkpoint`` (a ``checkpoint-N`` directory) with another per-device batch.
+
+        Raises:
+            ValueError: The checkpoint's per-device batch differs from this run's (both named).
+        """
+        from transformers.trainer import TRAINER_STATE_NAME  # the Trainer's module: imported where it runs
+
+        state_file = Path(checkpoint) / TRAINER_STATE_NAME
+        saved = json.loads(state_file.read_text()).get("train_batch_size") if state_file.is_file() else None
+        now = self.trainer.args.per_device_train_batch_size
+        if saved is not None and saved != now:
+            raise ValueError(
+                f"zero_reduction='exact': {checkpoint} was trained with per_device_train_batch_size={saved}, this run "
+                f"has {now}. A micro-batch of another shape sums in other kernels, so the resumed run would not "
+                f"continue the saved one bit for bit. Resume with per_device_train_batch_size={saved} (and the "
+                "gradient_accumulation_steps that keeps the global batch), or train with zero_reduction='ddp'."
+            )
 
     def _check_epoch(self) -> None:
         trainer, args = self.trainer, self.trainer.args

@@ -289,6 +289,8 @@ class LowZeroTrainer(Trainer):
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._exact_steps is not None and checkpoint is not None:
+            self._exact_steps.check_resume(checkpoint)  # [Note: an exact Trainer step]
         if not self.zero_enabled or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         zero_dir = os.path.join(checkpoint, TRAINER_SUBDIR)
