@@ -145,9 +145,12 @@ class ExactSteps:
 
 
 def _normalized_globally(trainer, num_items_in_batch) -> bool:
-    """Whether Trainer scales this loss for accumulation itself (token-count normalization, or a
-    ``compute_loss_func``, or a subclass that says so): ``Trainer.training_step``'s own test."""
+    """Whether this loss is normalized over the whole step already: by the step's token count (the
+    model or ``compute_loss_func`` takes ``num_items_in_batch``), or as a subclass says
+    (``loss_is_scaled_for_ga``). Otherwise it is the micro-batch's own mean, and the step averages.
+    (Trainer also skips its division for a ``compute_loss_func`` without a token count; DDP then
+    divides a sum over K micro-batches by W, which changes with W: exact mode takes the mean.)"""
     if trainer.loss_is_scaled_for_ga is not None:
         return trainer.loss_is_scaled_for_ga
-    by_tokens = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
-    return by_tokens or trainer.compute_loss_func is not None
+    takes_count = trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None
+    return num_items_in_batch is not None and takes_count
