@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.functional import mse_loss
 
-from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig
+from hf_lowzero import LowLevelZeroOptimizer, ZeroConfig, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, make_inner
 from tests.tiers import slow
@@ -71,16 +71,21 @@ def usage(step: int, m: int) -> tuple[bool, bool]:
     return m % 3 != 0, (m + step) % 5 == 0
 
 
-def train(rank: int, world_size: int, name: str, reduction: str = "exact", **extra) -> dict:
-    """``STEPS`` steps of case ``name``; the params, norms and applied flags (rank 0's view)."""
+def train(
+    rank: int, world_size: int, name: str, reduction: str = "exact", steps=range(STEPS), load=None, save=None
+) -> dict:
+    """``steps`` of case ``name`` (from checkpoint ``load``, into checkpoint ``save``); the params,
+    norms and applied flags (rank 0's view)."""
     model_cls, inner, dtype, fields = CASES[name]
     model = model_cls().to(dtype)
     bucket_mb = 25.0 if model_cls is WideNet else 0.001  # one bucket / one per param (W-dependent either way)
-    config = ZeroConfig(reduction=reduction, reduce_bucket_mb=bucket_mb, **fields | extra)
+    config = ZeroConfig(reduction=reduction, reduce_bucket_mb=bucket_mb, **fields)
     opt = LowLevelZeroOptimizer(model, make_inner(inner, model), config)
+    if load is not None:
+        load_checkpoint(opt, load)
     local = GLOBAL // world_size
     norms, applied = [], []
-    for step in range(STEPS):
+    for step in steps:
         for m in range(rank, GLOBAL, world_size):
             x, y = micro_batch(step, m, dtype)
             loss = mse_loss(model(x, *usage(step, m)).float(), y.float())
@@ -88,6 +93,8 @@ def train(rank: int, world_size: int, name: str, reduction: str = "exact", **ext
         applied.append(opt.step())
         norms.append(opt.last_grad_norm)
         opt.zero_grad()
+    if save is not None:
+        save_checkpoint(opt, save)
     opt.wait_for_params()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"params": params, "norms": norms, "applied": applied, "checks": opt.integrity.checks}
@@ -143,6 +150,36 @@ def test_exact_within_rounding_of_ddp(at_one_rank, tmp_path):
         assert any(not torch.equal(p, q) for p, q in zip(exact["params"].values(), ddp["params"].values())), (
             "exact and ddp agree bit for bit: the comparison cannot tell them apart"
         )
+
+
+RESUMED = ["stage 2 fp32 clip", "stage 1 fp16 loss scaling clip", "stage 2 whole params adafactor clip"]
+
+
+def resume_body(rank: int, world_size: int, tmp: str, phase: str) -> None:
+    """``save``: the first half of the steps, then a checkpoint; ``load``: the rest from it."""
+    half = STEPS // 2
+    results = {}
+    for name in RESUMED:
+        checkpoint = f"{tmp}/{name.replace(' ', '_')}"
+        if phase == "save":
+            train(rank, world_size, name, steps=range(half), save=checkpoint)
+        else:
+            results[name] = train(rank, world_size, name, steps=range(half, STEPS), load=checkpoint)
+    if rank == 0 and phase == "load":
+        torch.save(results, f"{tmp}/resumed.pt")
+
+
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), slow((2, 4)), slow((3, 2))])
+def test_resume_at_another_world_size_continues_bit_for_bit(saved_at, resumed_at, at_one_rank, tmp_path):
+    """A checkpoint holds the grid (by parameter name): saved at one world size and resumed at another,
+    the run ends with the uninterrupted run's bits."""
+    run_distributed(resume_body, saved_at, tmp=str(tmp_path), phase="save")
+    run_distributed(resume_body, resumed_at, tmp=str(tmp_path), phase="load")
+    resumed = torch.load(tmp_path / "resumed.pt")
+    for name in RESUMED:
+        reference = at_one_rank[(name, "exact")]
+        tail = {k: reference[k][STEPS // 2 :] for k in ("norms", "applied")}
+        assert_identical(resumed[name], reference | tail, f"{name}: saved at W={saved_at}, resumed at {resumed_at}")
 
 
 def grad_of(rank: int, world_size: int, out: str) -> None:

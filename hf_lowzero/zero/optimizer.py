@@ -227,6 +227,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             partition=self.partition,
             world_size=self.world_size,
             rank=self.rank,
+            exact=self.reducer if self.config.reduction == "exact" else None,
         )
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None

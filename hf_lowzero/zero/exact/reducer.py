@@ -75,12 +75,27 @@ class ExactReducer(BucketReducer):
         self.acc = torch.zeros(store.flat.numel(), dtype=SUM_DTYPE, device=store.flat.device)  # owned space
         self.packed = [Segments.packed(b) for b in buckets]
         self.owned = [Segments.owned(b, rank) for b in buckets]
+        names = {slot.index: slot.name for bucket in buckets for slot in bucket.slots}
+        self._names = [names[i] for i in range(params)]  # by slot index
         self.grid = Grid.first(params)
         self.next_grid: Grid | None = None  # decided by the step, taken on by clear()
         self._factors = self._grid_factors()
         self.max_abs = torch.zeros(params, dtype=torch.float32, device=store.flat.device)  # of contributions
         self.contributions = 0  # backwards since the last step on this rank
         self.average = True
+
+    def grid_state(self) -> dict:
+        """The grid, for checkpoints: a resumed run (at any world size) rounds as the saved one would
+        have. Bounds by parameter name."""
+        state = self.grid.state_dict()
+        return state | {"bounds": dict(zip(self._names, state["bounds"]))}
+
+    def load_grid_state(self, state: dict) -> None:
+        """Restore :meth:`grid_state`; a parameter it does not name keeps this run's bound."""
+        bounds = [int(state["bounds"].get(name, bound)) for name, bound in zip(self._names, self.grid.bounds)]
+        self.grid = Grid.from_state_dict(state | {"bounds": bounds})
+        self.next_grid = None
+        self._factors = self._grid_factors()
 
     def _grid_factors(self) -> list[list[float]]:
         exponents = self.grid.exponents()
