@@ -6,6 +6,9 @@
 #   1. every CUDA test (tests/test_cuda.py; NCCL tests of 2+ ranks when 2+ GPUs are visible) under
 #      torch's CUDA sanitizer, which checks every kernel's accesses against the streams and events
 #      ordering them;
+#   1b. tests/test_exact_cuda.py: exact reduction's assumptions about the CUDA kernels (AdamW's foreach
+#      and fused kernels give an element the same bits wherever it sits in a row) and, with 2+ GPUs,
+#      the same bits at W = 1 and 2 over NCCL (never run yet);
 #   2. benchmarks/gpu_single.py: one GPU, bf16, ZeRO stage 2 against the plain Trainer (fused AdamW);
 #   3. benchmarks/gpu_overlap.py: GPT-2 1.2B as rank 0 of 2, the second rank emulated, over links of
 #      100 to 12.5 GB/s: the reduce-scatter and all-gather time hidden, host syncs per phase, the step
@@ -68,9 +71,10 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" |
 }
 
 # Measured on one H100: tests 43 s, single 50, plan 29, snapshot 27, offload 64 to 95. Estimated:
-# overlap 60 to 110 (4 rounds of 33 blocks of 4 steps of 80 to 300 ms, about 60 s, and 20 s to build
-# and probe), trainer_offload 20 to 40, ray 60 to 90 where Ray is installed (2 where not).
+# exact 20 to 40, overlap 60 to 110 (4 rounds of 33 blocks of 4 steps of 80 to 300 ms, about 60 s, and
+# 20 s to build and probe), trainer_offload 20 to 40, ray 60 to 90 where Ray is installed (2 where not).
 step tests 120 env TORCH_CUDA_SANITIZER=1 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
+step exact 60 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_exact_cuda.py
 step single 120 python benchmarks/gpu_single.py
 step overlap 180 python benchmarks/gpu_overlap.py
 step trainer_offload 90 python benchmarks/gpu_trainer_offload.py

@@ -124,3 +124,24 @@ def test_the_job_lives_above_the_ray_library_whose_old_names_still_work():
             assert getattr(hf_lowzero.ray, name) is getattr(clm_ray, name)
     with pytest.raises(AttributeError):
         hf_lowzero.ray.no_such_name  # noqa: B018
+
+
+def test_reduction_flag(monkeypatch, capsys):
+    """``--reduction exact`` reaches the Trainer's ZeroConfig; combinations it cannot keep invariant
+    are refused with the numbers."""
+    sys.path.insert(0, str(ROOT / "ray_jobs"))
+    from finetune import parse_args
+
+    config = parse_args(["--reduction", "exact", "--num-workers", "1-4", "--global-batch-size", "48"])[2]
+    args = config.training_arguments("out", world_size=3)
+    assert (args.zero_reduction, args.to_zero_config().reduction, args.gradient_accumulation_steps) == (
+        "exact",
+    ) * 2 + (4,)
+    assert parse_args([])[2].training_arguments("out", 2).to_zero_config().reduction == "ddp"
+    assert "reduction='sum' is invalid" in refused(parse_args, ["--reduction", "sum"], capsys)
+    line = refused(parse_args, ["--reduction", "exact", "--num-workers", "1-4"], capsys)
+    assert "num_workers=1-4 needs global_batch_size" in line
+    line = refused(parse_args, ["--reduction", "exact", "--zero-stage", "0"], capsys)
+    assert "needs zero_stage 1, 2 or auto" in line
+    line = refused(parse_args, ["--reduction", "exact", "--num-workers", "1-3", "--global-batch-size", "16"], capsys)
+    assert "global_batch_size=16 is not a positive multiple of per_device_train_batch_size * world size = 4 * 3" in line

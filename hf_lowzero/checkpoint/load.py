@@ -184,6 +184,7 @@ def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, A
         loss_scaler=scaler,
         skipped_steps=meta["skipped_steps"],
         consecutive_skips=meta["consecutive_skips"],
+        exact_grid=meta.get("exact_grid"),
     )
     stored = meta.get("extras", {})  # the rest were left to the model's own checkpoint
     values = {

@@ -247,6 +247,7 @@ def checkpoint_metadata(
         "loss_scaler": view.zero["loss_scaler"],
         "skipped_steps": view.zero["skipped_steps"],
         "consecutive_skips": view.zero["consecutive_skips"],
+        "exact_grid": view.zero.get("exact_grid"),  # reduction="exact": by param name, any world size
         "files": {rank_file_name(r, view.world_size): size for r, size in enumerate(sizes)}
         | ({EXTRAS_FILE: extras_size} if stored else {}),
     }

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import TrainingArguments
 
+from hf_lowzero.trainer.exact import check_exact_arguments
 from hf_lowzero.zero.zero_config import ZeroConfig, check_stage
 
 
@@ -46,6 +47,7 @@ class ZeroArguments:
     zero_master_dtype: str | None
     zero_verify_every: str | None
     zero_on_mismatch: str | None
+    zero_reduction: str | None
     zero_config: str | None
 
     def __post_init__(self) -> None:
@@ -61,6 +63,8 @@ class ZeroArguments:
             parse_bytes(self.zero_device_memory, "zero_device_memory")
         if self.zero_stage:
             self.to_zero_config(stage=2)  # validate every knob now, not at the first step
+        if self.zero_reduction == "exact":
+            check_exact_arguments(self)  # [Note: an exact Trainer step]
 
     @property
     def zero_auto(self) -> bool:
@@ -97,6 +101,7 @@ class ZeroArguments:
             "master_dtype": self.zero_master_dtype,
             "verify_every": self.zero_verify_every,
             "on_mismatch": self.zero_on_mismatch,
+            "reduction": self.zero_reduction,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
         if self.torch_compile and "overlap_allgather" not in base:
@@ -142,6 +147,8 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         zero_verify_every: Integrity checks every this many steps, ``"auto"`` or ``"off"``
             (``ZeroConfig.verify_every``).
         zero_on_mismatch: A failed integrity check: ``"raise"`` or ``"rollback"`` (``ZeroConfig.on_mismatch``).
+        zero_reduction: ``"ddp"`` (float sums) or ``"exact"`` (integer sums, and every other part of a step
+            made independent of the world size: the same bits at any world size; ``ZeroConfig.reduction``).
         zero_config: Other ``ZeroConfig`` fields: a JSON object, or the path of a JSON file holding one.
 
     Raises:
@@ -208,6 +215,14 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         metadata={
             "help": "A failed integrity check: raise (IntegrityError on every rank; default) or rollback (on Ray: "
             "restart from the newest verified memory snapshot)"
+        },
+    )
+    zero_reduction: str | None = field(
+        default=None,
+        metadata={
+            "help": "How gradients are summed: ddp (in floating point, as DDP; default) or exact (in integers, with "
+            "micro-batches, loss normalization and dropout made independent of the world size: the same bits at "
+            "any world size for the same global batch; see docs/exact-reduction.md)"
         },
     )
     zero_config: str | None = field(

@@ -14,6 +14,8 @@ With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
 - the optimizer Trainer builds (or the one given in ``optimizers=``) is wrapped, and rebuilt for
   every new model (``model_init``, ``hyperparameter_search``); an OOM retry starts from a clean one;
 - stage 1 uses ``no_sync()`` for non-final micro-batches, stage 2 reduces every micro-batch;
+- ``zero_reduction="exact"`` makes each step's micro-batches, loss normalization and dropout independent of
+  the world size ([Note: an exact Trainer step] in ``exact.py``) and sums gradients in integers;
 - the logged ``grad_norm`` is the true global norm; ``loss_scale``, ``skipped_steps`` and (with
   more than one rank) ``integrity_checks`` are logged too; a skipped step does not advance the LR
   schedule; a failed integrity check raises ``IntegrityError`` before the update, so no checkpoint
@@ -53,6 +55,7 @@ from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, ZeroArguments
 from hf_lowzero.trainer.auto import resolve_auto_stage
 from hf_lowzero.trainer.callbacks import gate_callbacks
 from hf_lowzero.trainer.compat import check_trainer_flags
+from hf_lowzero.trainer.exact import ExactSteps
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
 from hf_lowzero.zero.layout.params import canonical_name
@@ -101,6 +104,7 @@ class LowZeroTrainer(Trainer):
             self.memory_plan = resolve_auto_stage(given, model, kwargs.get("train_dataset"))
         super().__init__(*args, **kwargs)
         self.zero_optimizer: LowLevelZeroOptimizer | None = None
+        self._exact_steps = ExactSteps(self) if getattr(self.args, "zero_reduction", None) == "exact" else None
         if self.zero_enabled:
             check_trainer_flags(self)
             gate_callbacks(self.callback_handler, self._wait_for_params)
@@ -137,6 +141,22 @@ class LowZeroTrainer(Trainer):
         if model is self.model:
             device_placement = False
         return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """``Trainer.training_step``; with ``zero_reduction="exact"``, made independent of the world size
+        ([Note: an exact Trainer step] in ``trainer/exact.py``).
+
+        Args:
+            model (torch.nn.Module): The model.
+            inputs (dict[str, Any]): One micro-batch.
+            num_items_in_batch (torch.Tensor | int | None): The step's token count, where the loss is normalized by it.
+
+        Returns:
+            The micro-batch's loss, detached, as ``Trainer`` logs it.
+        """
+        if self._exact_steps is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return self._exact_steps.training_step(super().training_step, model, inputs, num_items_in_batch)
 
     def _zero_backward(self, loss: torch.Tensor, **kwargs) -> None:
         # Scales fp16 losses, and synchronizes even where no param got a gradient. Integrity checks
@@ -270,6 +290,8 @@ class LowZeroTrainer(Trainer):
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._exact_steps is not None and checkpoint is not None:
+            self._exact_steps.check_resume(checkpoint)  # [Note: an exact Trainer step]
         if not self.zero_enabled or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         zero_dir = os.path.join(checkpoint, TRAINER_SUBDIR)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_lowzero.zero.exact import ExactReducer, ExactStepStats, use_row_invariant_kernels
 from hf_lowzero.zero.grads.backward import BackwardSync
 from hf_lowzero.zero.grads.grad_store import make_grad_store
 from hf_lowzero.zero.grads.reducer import BucketReducer
@@ -89,10 +90,18 @@ def build_parts(
         on_mismatch=config.on_mismatch, shard=shard,
     )  # fmt: skip
     store = make_grad_store(buckets, offload=offload, pin_memory=pin, shard=shard)
-    reducer = BucketReducer(
-        buckets, comm_dtype=config.communication_dtype, stage=config.stage, store=store, pool=pool, tap=integrity,
-        shard=shard,
-    )  # fmt: skip
+    exact = config.reduction == "exact"  # [Note: exact reduction]; replicas are still hashed, not sums
+    if exact:
+        use_row_invariant_kernels(optimizer, partition, device)  # exact/kernels.py
+        reducer = ExactReducer(
+            buckets, stage=config.stage, store=store, pool=pool, params=len(slots), shard=shard,
+            verifying=integrity.enabled,
+        )  # fmt: skip
+    else:
+        reducer = BucketReducer(
+            buckets, comm_dtype=config.communication_dtype, stage=config.stage, store=store, pool=pool,
+            tap=integrity, shard=shard,
+        )  # fmt: skip
     master = MasterRows(slots, buckets, offload=offload, pin_memory=pin, dtype=config.master_dtype, shard=shard)
     gather = ParamGather(
         slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard
@@ -109,7 +118,7 @@ def build_parts(
     # The inner optimizer steps the inner params, each with its fixed gradient view ([Note: inner params]).
     inner_params = precision.inner_params
     inner_grads = [inner_view(slot, store.piece(slot)) for slot in slots]
-    if master.flat.device.type == "cpu":
+    if master.flat.device.type == "cpu" and not exact:  # see exact/kernels.py
         prefer_fused_on_cpu(optimizer)
     groups = ParamGroups(optimizer)
     slot_of = {id(slot.param): slot for slot in slots}
@@ -122,10 +131,12 @@ def build_parts(
     shard_state = ShardParts(
         slot_at=slot_at, inner_params=inner_params, master_rows=master.rows, optim=optimizer, groups=groups,
         scaler=scaler, counts=counts, gate=master.gate, stage=config.stage, partition=partition, shard=shard,
+        exact=reducer if exact else None,
     )  # fmt: skip
+    stats = ExactStepStats(reducer, slots, shard=shard) if exact else StepStats(len(slots), shard=shard)
     return OptimizerParts(
         shard=shard, slots=slots, buckets=buckets, guard=guard, integrity=integrity, reducer=reducer, sync=sync,
-        stats=StepStats(len(slots), shard=shard), master=master, precision=precision, gather=gather,
+        stats=stats, master=master, precision=precision, gather=gather,
         inner_params=inner_params, unused_mask=UnusedMask(inner_params, inner_grads), groups=groups,
         slot_at=slot_at, scaler=scaler, counts=counts, shard_state=shard_state,
     )  # fmt: skip

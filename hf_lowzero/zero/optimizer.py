@@ -159,15 +159,10 @@ class LowLevelZeroOptimizer(OptimizerFacade):
             Nothing; backward passes inside only accumulate.
 
         Raises:
-            RuntimeError: Under stage 2, which must reduce every backward.
+            RuntimeError: Under stage 2 or ``reduction="exact"``, which must reduce every backward.
         """
         if not self.allows_no_sync:
-            raise RuntimeError(
-                "no_sync() is not available with ZeRO stage 2: gradients are sharded, so every "
-                "backward must reduce-scatter into the owned rows (keeping full local gradients "
-                "would undo stage 2's memory savings). Call backward() for every micro-batch "
-                "without no_sync(), or use stage=1."
-            )
+            raise RuntimeError(self.reducer.no_sync_refusal)
         sync = self._parts.sync
         previous = sync.enabled
         sync.enabled = False
@@ -323,6 +318,12 @@ class LowLevelZeroOptimizer(OptimizerFacade):
     def loss_scale(self) -> float:
         """The current loss scale (1.0 unless the params are fp16)."""
         return self.scaler.scale
+
+    @property
+    def last_skip_reason(self) -> str | None:
+        """Why the last step was skipped, where its decision names a cause (``reduction="exact"``: a
+        gradient beyond the fixed-point grid, or not finite); None otherwise."""
+        return getattr(self._parts.stats, "last_skip", None)
 
     @property
     def allows_no_sync(self) -> bool:

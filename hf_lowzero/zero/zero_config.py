@@ -85,6 +85,7 @@ PARTITIONS = ("auto", "rows", "params")  # ZeroConfig.partition: see [Note: two 
 MASTER_ROUNDINGS = ("stochastic", "nearest")  # ZeroConfig.master_rounding: see [Note: bf16 masters]
 VERIFY_OFF, VERIFY_AUTO = "off", "auto"  # ZeroConfig.verify_every besides an interval
 ON_MISMATCH = ("raise", "rollback")
+REDUCTIONS = ("ddp", "exact")  # ZeroConfig.reduction: see [Note: exact reduction] in zero/exact/__init__.py
 AUTO_OVERHEAD = 0.01  # verify_every="auto" keeps the checks within this fraction of the step time
 VERIFY = Budget(  # verify_every's: [Note: the auto interval's budget] in auto_interval.py
     setting="verify_every",
@@ -146,6 +147,8 @@ class ZeroConfig:
         max_consecutive_skips: Raise instead of skipping more than this many steps in a row (>= 1).
         verify_every: Integrity checks every this many steps, ``"auto"`` or ``"off"``.
         on_mismatch: A failed integrity check: ``"raise"`` or ``"rollback"``.
+        reduction: ``"ddp"`` (float sums, DDP's bits at a given world size) or ``"exact"`` (integer
+            sums: the same bits at any world size).
 
     Raises:
         ValueError: A field has an invalid value (the message names it and what is expected).
@@ -251,6 +254,15 @@ class ZeroConfig:
     before the update) or ``"rollback"`` (on Ray with memory snapshots: the run restarts from the
     newest snapshot taken at a verified step; elsewhere the same error)."""
 
+    reduction: str = "ddp"
+    """How gradients are summed over micro-batches and ranks. ``"ddp"``: in floating point, as DDP
+    does (its bits at a given world size; another world size sums in another order). ``"exact"``:
+    in int64 fixed point on a per-parameter grid, rounded once ([Note: exact reduction] in
+    ``zero/exact/__init__.py``): with the same global batch, the same bits at any world size. The
+    step's gradient is then the mean over every ``backward()`` of the step on every rank: pass each
+    micro-batch's own loss, not divided by the number of micro-batches. No ``no_sync()``, no optimizer
+    offload, no ``communication_dtype`` (int64 travels); bf16 masters need ``master_rounding="nearest"``."""
+
     def __post_init__(self) -> None:
         check_stage(self.stage, "ZeroConfig.stage")
         bucket = self.reduce_bucket_mb
@@ -289,6 +301,33 @@ class ZeroConfig:
             )
         if self.communication_dtype is not None:
             self.communication_dtype = parse_dtype(self.communication_dtype, "communication_dtype")
+        self._check_reduction()
+
+    def _check_reduction(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"ZeroConfig.reduction={self.reduction!r} is invalid; expected 'ddp' (float sums, as DDP) or "
+                "'exact' (integer sums: the same bits at any world size)"
+            )
+        if self.reduction != "exact":
+            return
+        conflicts = {
+            "offload_optimizer": (self.offload_optimizer, "keep the optimizer on the device (offload_optimizer=False)"),
+            "communication_dtype": (
+                self.communication_dtype is not None,
+                "leave communication_dtype=None: exact reductions always send int64",
+            ),
+            "master_rounding": (
+                self.master_dtype == torch.bfloat16 and self.master_rounding == "stochastic",
+                "stochastic rounding of bf16 masters draws noise per rank; use master_rounding='nearest' "
+                "or master_dtype='fp32'",
+            ),
+        }
+        for name, (conflict, fix) in conflicts.items():
+            if conflict:
+                raise ValueError(
+                    f"ZeroConfig.reduction='exact' does not work with {name}={getattr(self, name)!r}: {fix}"
+                )
 
     def _check_master_precision(self) -> None:
         expected = "expected 'fp32' (default) or 'bf16' (or 'float32'/'bfloat16', torch.float32/torch.bfloat16)"

@@ -33,6 +33,7 @@ TRAINING_ARGUMENT_NAMES = {
     "verify_every": "zero_verify_every",
     "on_mismatch": "zero_on_mismatch",
     "overlap_allgather": "zero_overlap_allgather",
+    "reduction": "zero_reduction",
 }
 # What every worker of the job trains with, whatever the flags: a checkpoint every save_steps, a
 # loss line every step (ConsoleProgress), no integrations, no tqdm (one line per step instead).
@@ -67,6 +68,7 @@ class RayFinetuneConfig:
             ``"40GiB"``), not the free memory.
         zero_partition: ``"rows"`` (slices of every tensor), ``"params"`` (whole tensors, any optimizer)
             or ``"auto"`` (by optimizer).
+        reduction: ``"ddp"`` or ``"exact"``: the same bits at any worker count (``ZeroConfig.reduction``).
         optim: The Trainer's ``optim`` (``adamw_torch``, ``adafactor``, ``adamw_torch_8bit``, ...).
         max_steps: Optimizer steps in total.
         save_steps: Checkpoint (and report to Ray) every this many steps.
@@ -137,6 +139,12 @@ class RayFinetuneConfig:
     )
     zero_partition: str = _opt(
         "auto", "rows (slices of every tensor), params (whole tensors, any optimizer) or auto (by optimizer)"
+    )
+    reduction: str = _opt(
+        "ddp",
+        "how gradients are summed: ddp (floating point, as DDP) or exact (integers, with every part of a step made "
+        "independent of the worker count: the same bits at any --num-workers; needs a ZeRO stage, and with MIN-MAX "
+        "workers --global-batch-size; see docs/exact-reduction.md)",
     )
     optim: str = _opt(
         "adamw_torch", "the Trainer's --optim (adamw_torch, adafactor, adamw_torch_8bit, lion_32bit, ...)"
@@ -212,7 +220,9 @@ class RayFinetuneConfig:
         self.zero_stage = parse_stage(self.zero_stage)
         if self.zero_device_memory is not None:
             parse_bytes(self.zero_device_memory, "zero_device_memory")
-        ZeroConfig(partition=self.zero_partition)  # raises on a bad --zero-partition
+        ZeroConfig(partition=self.zero_partition, reduction=self.reduction)  # raises on a bad value of either
+        if self.reduction == "exact":
+            self._check_exact()
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
         for name in ("inject_failure_at_step", "inject_corruption_at_step"):
@@ -222,6 +232,16 @@ class RayFinetuneConfig:
         self.verify_every = check_verify_every(self.verify_every)
         if self.on_mismatch not in ON_MISMATCH:
             raise ValueError(f"on_mismatch={self.on_mismatch!r} is invalid; expected 'raise' or 'rollback'")
+
+    def _check_exact(self) -> None:
+        if self.zero_stage == 0:
+            raise ValueError("reduction='exact' needs zero_stage 1, 2 or auto (it is the ZeRO optimizer's reduction)")
+        if isinstance(self.num_workers, tuple) and self.global_batch_size is None:
+            raise ValueError(
+                f"reduction='exact' with num_workers={self.num_workers[0]}-{self.num_workers[1]} needs "
+                "global_batch_size: with a fixed gradient_accumulation_steps the global batch changes with the "
+                "worker count, and with it every step"
+            )
 
     @property
     def snapshots(self) -> int | str | None:

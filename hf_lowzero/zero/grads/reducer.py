@@ -54,6 +54,19 @@ class ReductionTap(Protocol):
         """``rows``: this rank's reduced chunk of ``bucket``, before the gradient store takes it."""
 
 
+class _NoTap:
+    """A ``ReductionTap`` that sees nothing (a reduction no check reads: the exact reducer's int64 sums)."""
+
+    def after_pack(self, bucket: Bucket, flat: torch.Tensor, divided: bool = True) -> None:
+        pass
+
+    def after_reduce(self, bucket: Bucket, rows: torch.Tensor) -> None:
+        pass
+
+
+NO_TAP = _NoTap()
+
+
 class BucketReducer:
     """Reduces buckets into this rank's gradient store; ``launch``/``finish`` are driven by
     ``PlanOrderLauncher``. Knows which buckets hold reduced gradients since the last step."""
@@ -74,6 +87,12 @@ class BucketReducer:
         self.shard = shard
         self.comm_dtype = comm_dtype
         self.allows_no_sync = stage == 1
+        self.no_sync_refusal = (  # why no_sync() is refused, when it is
+            "no_sync() is not available with ZeRO stage 2: gradients are sharded, so every "
+            "backward must reduce-scatter into the owned rows (keeping full local gradients "
+            "would undo stage 2's memory savings). Call backward() for every micro-batch "
+            "without no_sync(), or use stage=1."
+        )
         self.store = store
         self.pool = pool
         self.holds = [False] * len(buckets)  # per bucket: reduced gradients since the last step
@@ -89,22 +108,33 @@ class BucketReducer:
         dtype = self.comm_dtype or bucket.dtype
         direct = self.store.direct_target(bucket, dtype, first=not self.holds[bucket.index])
         taken = []  # pooled buffers this bucket holds until its collective is done
-
-        def take(numel: int) -> torch.Tensor:
-            taken.append(self.pool.take(numel, dtype, bucket.device))
-            return taken[-1]
-
         if self.shard.world_size == 1:  # nothing to reduce: the packed bucket is this rank's chunk
-            out = direct if direct is not None else take(bucket.row_numel)
+            out = direct if direct is not None else self.take(bucket.row_numel, dtype, bucket.device, taken)
             with record_function("hf_lowzero::pack_bucket"):
                 pack_bucket(bucket, out, world_size=1, plan=self.pack_plans[bucket.index], grads=grads)
             return Reduction(bucket, None, out, tuple(taken))
-        flat = take(bucket.packed_numel)
+        flat = self.take(bucket.packed_numel, dtype, bucket.device, taken)
         average = self.averages and not bucket.whole
         with record_function("hf_lowzero::pack_bucket"):
             plan = self.pack_plans[bucket.index]
             pack_bucket(bucket, flat, world_size=self.shard.world_size, plan=plan, grads=grads, divide=not average)
         self.tap.after_pack(bucket, flat, divided=not average)
+        return self.start(bucket, flat, direct, taken, average)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, taken: list) -> torch.Tensor:
+        """A pooled buffer, recorded in ``taken`` (given back once the bucket's collective is done)."""
+        taken.append(self.pool.take(numel, dtype, device))
+        return taken[-1]
+
+    def start(
+        self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None, taken: list, average: bool = False
+    ) -> Reduction:
+        """Start the collective of a packed bucket (``flat``, 1D, rank-major): this rank's chunk lands
+        in ``direct`` (None: a pooled buffer); ``average``: the collective divides by W."""
+
+        def take(numel: int) -> torch.Tensor:
+            return self.take(numel, flat.dtype, bucket.device, taken)
+
         if bucket.whole:  # [Note: uneven exchanges]: the workspace receives W chunks of this rank's length
             out = direct if direct is not None else take(bucket.row_numel)
             workspace = take(self.shard.world_size * bucket.row_numel)

@@ -64,6 +64,7 @@ class ShardParts:
     stage: int
     partition: str
     shard: ShardGroup
+    exact: Any = None  # the ExactReducer with reduction="exact" (its grid is saved), else None
 
 
 SECTION = "zero"
@@ -177,6 +178,7 @@ def shard_state_dict(parts: ShardParts) -> dict[str, Any]:
         "loss_scaler": parts.scaler.state_dict(),
         "skipped_steps": parts.counts.skipped,
         "consecutive_skips": parts.counts.consecutive,
+        "exact_grid": None if parts.exact is None else parts.exact.grid_state(),  # [Note: exact reduction]
     }
     return {"state": state, "param_groups": groups, SECTION: zero}
 
@@ -223,6 +225,8 @@ def load_shard_state(parts: ShardParts, state_dict: dict[str, Any]) -> None:
     parts.scaler.load_state_dict(zero["loss_scaler"])
     parts.counts.skipped = int(zero["skipped_steps"])
     parts.counts.consecutive = int(zero["consecutive_skips"])
+    if parts.exact is not None and zero.get("exact_grid"):
+        parts.exact.load_grid_state(zero["exact_grid"])
 
 
 def _in_shape(value, slot):
