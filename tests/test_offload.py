@@ -7,6 +7,7 @@ placement, pinned memory, and that the host step never reads a row before its co
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -56,6 +57,16 @@ def train_step(model, opt, rank, step, dtype):
     opt.wait_for_params()  # [Note: params are current]: the test reads params after a step
 
 
+def assert_same(p, q, clip, where):
+    """Offload against no offload: bit-equal without clipping; with it, up to the norm's summation
+    order and the clip factor's rounding in the kernel ([Note: the factor in the kernel]), within
+    torch's tolerance for the params' dtype."""
+    if clip:
+        torch.testing.assert_close(p, q, msg=lambda m: f"{where}: {m}")
+    else:
+        assert torch.equal(p, q), where
+
+
 def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 
@@ -70,10 +81,11 @@ def parity_body(rank, world_size, tmp):
             for model, opt in runs.values():
                 train_step(model, opt, rank, step, dtype)
             (ref_model, ref_opt), (model, opt) = runs[False], runs[True]
-            assert opt.last_grad_norm == ref_opt.last_grad_norm, where
+            # [Note: the norm before the copy]: the same blocks, summed per bucket first.
+            assert math.isclose(opt.last_grad_norm, ref_opt.last_grad_norm, rel_tol=1e-6), where
             assert (opt.loss_scale, opt.skipped_steps) == (ref_opt.loss_scale, ref_opt.skipped_steps), where
             for i, (p, q) in enumerate(zip(params_of(model), params_of(ref_model))):
-                assert torch.equal(p, q), f"{where} step {step} param {i}"
+                assert_same(p, q, clip, f"{where} step {step} param {i}")
         assert all(v.device.type == "cpu" for s in offloaded.optim.state.values() for v in s.values())
         report = offloaded.memory_report()
         held = report.model_state_bytes + report.buffers + report.comm_buffers
@@ -94,7 +106,7 @@ def parity_body(rank, world_size, tmp):
                 train_step(model, opt, rank, step, dtype)
         for model, _ in swapped.values():
             for i, (p, q) in enumerate(zip(params_of(model), params_of(runs[False][0]))):
-                assert torch.equal(p, q), f"{where} resumed across offload, param {i}"
+                assert_same(p, q, clip, f"{where} resumed across offload, param {i}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, slow(3)])
