@@ -81,9 +81,10 @@ class StepStats:
         norm when already taken (``taken_square``: [Note: the norm before the copy]), or None."""
         rows = [chunk for chunk in reduced if chunk is not None]
         squares = squares or [None] * len(reduced)
-        untaken = [chunk for chunk, square in zip(reduced, squares) if chunk is not None and square is None]
+        held = [(chunk, square) for chunk, square in zip(reduced, squares) if chunk is not None]
+        untaken = [chunk for chunk, square in held if square is None]
         parts = [blocked_squared_norm(untaken).reshape(1)]  # a host zero when ``untaken`` is empty
-        parts += [square.reshape(1) for chunk, square in zip(reduced, squares) if chunk is not None and square is not None]
+        parts += [square.reshape(1) for _, square in held if square is not None]
         zero = torch.zeros(1, dtype=torch.float64)  # 0 + x is x: the sums below are exactly those of the parts
         on_host = [zero] + [part for part in parts if not dev.is_cuda(part.device)]  # the CPU, or offloaded rows
         on_device = [part for part in parts if dev.is_cuda(part.device)]
