@@ -16,6 +16,8 @@ from torch.nn.functional import mse_loss
 from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.grads.grad_store import HostGradStore
+from hf_lowzero.zero.grads.norm import squared_norm
+from hf_lowzero.zero.update.kernel_factor import StepFactor
 from tests.models import BranchyNet, batch, make_inner
 from tests.tiers import slow
 
@@ -133,3 +135,52 @@ def reshard_body(rank, world_size, tmp, phase):
 def test_offload_checkpoint_loads_at_another_world_size_without_offload(tmp_path):
     run_distributed(reshard_body, 2, tmp=str(tmp_path), phase="save")
     run_distributed(reshard_body, 3, tmp=str(tmp_path), phase="load")
+
+
+def fused_adamw_step(grad, factor_in_kernel, coef):
+    """One fused AdamW step over a fixed row, the factor applied by ``StepFactor``."""
+    row = torch.linspace(-1, 1, 4099)
+    row.grad = grad.clone()
+    inner = torch.optim.AdamW([row], lr=1e-2, fused=True)
+    factor = StepFactor(inner, host_rows=factor_in_kernel)
+    with factor.applied([row.grad], coef):
+        inner.step()
+    assert not hasattr(inner, "grad_scale")  # only for that step
+    return row
+
+
+def test_the_factor_in_the_kernel_is_the_multiply():
+    """[Note: the factor in the kernel]: a power of two (the fp16 loss scale) gives the multiply's
+    bits; a clipping factor differs from it by at most one rounding of the gradient."""
+    grad = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 1e3
+    row = torch.zeros(1, requires_grad=True)
+    assert StepFactor(torch.optim.AdamW([row], fused=True), host_rows=True).in_kernel()
+    assert not StepFactor(torch.optim.AdamW([row], fused=True), host_rows=False).in_kernel()
+    assert not StepFactor(torch.optim.AdamW([row], foreach=True), host_rows=True).in_kernel()
+    assert not StepFactor(torch.optim.SGD([row], lr=0.1, fused=True), host_rows=True).in_kernel()
+    for coef in (2.0**-10, 0.37 / 2.0**10):
+        folded, multiplied = fused_adamw_step(grad, True, coef), fused_adamw_step(grad, False, coef)
+        if coef == 2.0**-10:
+            assert torch.equal(folded, multiplied)
+        else:
+            torch.testing.assert_close(folded, multiplied, rtol=1e-6, atol=1e-7)
+            assert not torch.equal(folded.grad, grad)  # the kernel wrote the divided gradient back
+
+
+def store_body(rank, world_size):
+    model, opt = build(2, torch.float32, "adamw", 1.0, offload=True)
+    store, buckets = opt.reducer.store, opt.buckets
+    x, y = batch(rank, 0, 0)
+    opt.backward(mse_loss(model(x, True, True), y))
+    taken = [store.taken_square(b) for b in buckets]
+    assert all(square is not None for square in taken)  # one contribution: taken as it was reduced
+    for bucket, square in zip(buckets, taken):
+        assert torch.equal(square, squared_norm([store.view(bucket)]))  # the blocked norm of its rows
+    opt.backward(mse_loss(model(x, True, True), y))  # stage 2 accumulation: the host rows decide
+    assert all(store.taken_square(b) is None for b in buckets)
+    opt.step()
+    assert all(store.taken_square(b) is None for b in buckets)
+
+
+def test_the_norm_is_taken_before_the_copy_while_a_bucket_holds_one_contribution():
+    run_distributed(store_body, 2)
