@@ -7,6 +7,7 @@ placement, pinned memory, and that the host step never reads a row before its co
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from torch.nn.functional import mse_loss
 from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.grads.grad_store import HostGradStore
+from hf_lowzero.zero.grads.norm import squared_norm
+from hf_lowzero.zero.update.kernel_factor import StepFactor
 from tests.models import BranchyNet, batch, make_inner
 from tests.tiers import slow
 
@@ -56,6 +59,16 @@ def train_step(model, opt, rank, step, dtype):
     opt.wait_for_params()  # [Note: params are current]: the test reads params after a step
 
 
+def assert_same(p, q, clip, where):
+    """Offload against no offload: bit-equal without clipping; with it, up to the norm's summation
+    order and the clip factor's rounding in the kernel ([Note: the factor in the kernel]), within
+    torch's tolerance for the params' dtype."""
+    if clip:
+        torch.testing.assert_close(p, q, msg=lambda m: f"{where}: {m}")
+    else:
+        assert torch.equal(p, q), where
+
+
 def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 
@@ -70,10 +83,11 @@ def parity_body(rank, world_size, tmp):
             for model, opt in runs.values():
                 train_step(model, opt, rank, step, dtype)
             (ref_model, ref_opt), (model, opt) = runs[False], runs[True]
-            assert opt.last_grad_norm == ref_opt.last_grad_norm, where
+            # [Note: the norm before the copy]: the same blocks, summed per bucket first.
+            assert math.isclose(opt.last_grad_norm, ref_opt.last_grad_norm, rel_tol=1e-6), where
             assert (opt.loss_scale, opt.skipped_steps) == (ref_opt.loss_scale, ref_opt.skipped_steps), where
             for i, (p, q) in enumerate(zip(params_of(model), params_of(ref_model))):
-                assert torch.equal(p, q), f"{where} step {step} param {i}"
+                assert_same(p, q, clip, f"{where} step {step} param {i}")
         assert all(v.device.type == "cpu" for s in offloaded.optim.state.values() for v in s.values())
         report = offloaded.memory_report()
         held = report.model_state_bytes + report.buffers + report.comm_buffers
@@ -94,7 +108,7 @@ def parity_body(rank, world_size, tmp):
                 train_step(model, opt, rank, step, dtype)
         for model, _ in swapped.values():
             for i, (p, q) in enumerate(zip(params_of(model), params_of(runs[False][0]))):
-                assert torch.equal(p, q), f"{where} resumed across offload, param {i}"
+                assert_same(p, q, clip, f"{where} resumed across offload, param {i}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, slow(3)])
@@ -121,3 +135,52 @@ def reshard_body(rank, world_size, tmp, phase):
 def test_offload_checkpoint_loads_at_another_world_size_without_offload(tmp_path):
     run_distributed(reshard_body, 2, tmp=str(tmp_path), phase="save")
     run_distributed(reshard_body, 3, tmp=str(tmp_path), phase="load")
+
+
+def fused_adamw_step(grad, factor_in_kernel, coef):
+    """One fused AdamW step over a fixed row, the factor applied by ``StepFactor``."""
+    row = torch.linspace(-1, 1, 4099)
+    row.grad = grad.clone()
+    inner = torch.optim.AdamW([row], lr=1e-2, fused=True)
+    factor = StepFactor(inner, host_rows=factor_in_kernel)
+    with factor.applied([row.grad], coef):
+        inner.step()
+    assert not hasattr(inner, "grad_scale")  # only for that step
+    return row
+
+
+def test_the_factor_in_the_kernel_is_the_multiply():
+    """[Note: the factor in the kernel]: a power of two (the fp16 loss scale) gives the multiply's
+    bits; a clipping factor differs from it by at most one rounding of the gradient."""
+    grad = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 1e3
+    row = torch.zeros(1, requires_grad=True)
+    assert StepFactor(torch.optim.AdamW([row], fused=True), host_rows=True).in_kernel()
+    assert not StepFactor(torch.optim.AdamW([row], fused=True), host_rows=False).in_kernel()
+    assert not StepFactor(torch.optim.AdamW([row], foreach=True), host_rows=True).in_kernel()
+    assert not StepFactor(torch.optim.SGD([row], lr=0.1, fused=True), host_rows=True).in_kernel()
+    for coef in (2.0**-10, 0.37 / 2.0**10):
+        folded, multiplied = fused_adamw_step(grad, True, coef), fused_adamw_step(grad, False, coef)
+        if coef == 2.0**-10:
+            assert torch.equal(folded, multiplied)
+        else:
+            torch.testing.assert_close(folded, multiplied, rtol=1e-6, atol=1e-7)
+            assert not torch.equal(folded.grad, grad)  # the kernel wrote the divided gradient back
+
+
+def store_body(rank, world_size):
+    model, opt = build(2, torch.float32, "adamw", 1.0, offload=True)
+    store, buckets = opt.reducer.store, opt.buckets
+    x, y = batch(rank, 0, 0)
+    opt.backward(mse_loss(model(x, True, True), y))
+    taken = [store.taken_square(b) for b in buckets]
+    assert all(square is not None for square in taken)  # one contribution: taken as it was reduced
+    for bucket, square in zip(buckets, taken):
+        assert torch.equal(square, squared_norm([store.view(bucket)]))  # the blocked norm of its rows
+    opt.backward(mse_loss(model(x, True, True), y))  # stage 2 accumulation: the host rows decide
+    assert all(store.taken_square(b) is None for b in buckets)
+    opt.step()
+    assert all(store.taken_square(b) is None for b in buckets)
+
+
+def test_the_norm_is_taken_before_the_copy_while_a_bucket_holds_one_contribution():
+    run_distributed(store_body, 2)

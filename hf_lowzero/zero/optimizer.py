@@ -41,7 +41,8 @@ from hf_lowzero.zero.inner.policy import check_fresh_optimizer, partition_for
 from hf_lowzero.zero.layout.packing import holding_any
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.update.allgather import stale_read_message
-from hf_lowzero.zero.update.step import StepVerdict, count_skipped_step, scale_rows, unscale_clip_coef
+from hf_lowzero.zero.update.kernel_factor import StepFactor
+from hf_lowzero.zero.update.step import StepVerdict, count_skipped_step, unscale_clip_coef
 from hf_lowzero.zero.zero_config import ZeroConfig
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
         self._pending_norm = None  # (grad_version, reduced chunks, verdict) of this step
+        self._factor = StepFactor(self.optim, host_rows=self.config.offload_optimizer)
+        if self.config.offload_optimizer and self.rank == 0:  # its cores: the worker's (Ray: --cpus-per-worker)
+            logger.info("[hf_lowzero] offload: the host step uses %d threads", torch.get_num_threads())
 
     # ----------------------------------------------------------------------------- backward
 
@@ -215,9 +219,11 @@ class LowLevelZeroOptimizer(OptimizerFacade):
             count_skipped_step(self.counts, self.scaler, self.config, why)
             return False
 
-        # [Note: one multiply] unscaling and clipping are one factor applied once to each row.
-        scale_rows(reduced, unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale))
-        self.apply_update(verdict.used)
+        # [Note: one multiply] unscaling and clipping are one factor applied once to each row,
+        # inside the host kernel where it takes it ([Note: the factor in the kernel]).
+        coef = unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale)
+        with self._factor.applied(reduced, coef):
+            self.apply_update(verdict.used)
         self.scaler.update(overflow=False)
         self.counts.consecutive = 0
         self.integrity.end_step(skipped_nonfinite=False)
@@ -274,7 +280,8 @@ class LowLevelZeroOptimizer(OptimizerFacade):
             sync.close_stale_candidates()
             stale = sync.stale_reads
             table = self.integrity.verify_launch()  # a verify step's numbers ride along: [Note: one host sync per step]
-            verdict = self._parts.stats.decide(reduced, sync.used, len(stale), extra=table)
+            squares = [self.reducer.store.taken_square(bucket) for bucket in self.buckets]
+            verdict = self._parts.stats.decide(reduced, sync.used, len(stale), extra=table, squares=squares)
             if table is not None:  # raises IntegrityError on every rank, before anything is updated
                 self.integrity.verify_judge(verdict.extra.view(self.world_size, -1))
             if verdict.stale_reads:

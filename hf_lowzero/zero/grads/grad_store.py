@@ -26,6 +26,17 @@ Example::
 # complete in order), and adds what is left, micro-batch by micro-batch: the same additions in the
 # same order as before. ``clear()`` waits too, before staging buffers are written again. On CPU the
 # same path runs with ordinary copies and no events.
+
+# [Note: the norm before the copy]
+# The host never reads the gradient rows for the norm when it can be had on the device: a bucket's
+# first reduced chunk since the last step has its squared norm taken right there, on the params'
+# device, on the stream that waited for the collective (``norm.blocked_squared_norm``: the same
+# blocks and float64 sum), before its copy to the host; the step sums these per-bucket values. A
+# bucket that gets a second contribution (stage 2 accumulation) loses its value, and the step takes
+# that bucket's norm from its host rows, as before. Only the norm's summation order changes (per
+# bucket, then over buckets), so a clipped step differs from before at the norm's last bits and
+# an unclipped one not at all; a non-finite total still goes to the float64 recount over the host
+# rows ([Note: blocked norm] in ``norm.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_lowzero.zero.grads.norm import blocked_squared_norm
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.packing import bucket_view, piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
@@ -72,6 +84,11 @@ class DeviceGradStore:
     def chunk(self, bucket: Bucket) -> torch.Tensor:
         return self.view(bucket)
 
+    def taken_square(self, bucket: Bucket) -> torch.Tensor | None:
+        """The squared norm of ``bucket``'s chunk if already taken ([Note: the norm before the copy]),
+        a 0-d float64 tensor on the params' device; None: the step takes it from the chunk."""
+        return None
+
     def clear(self) -> None:
         pass
 
@@ -94,12 +111,18 @@ class HostGradStore(DeviceGradStore):
         self._free: dict[int, list[torch.Tensor]] = {}  # bucket index -> its staging buffers not in use
         self._pending: dict[int, list[_Copy]] = {}  # bucket index -> its copies not yet added, in order
         self._last = None  # the event of the newest copy: every earlier one completed before it
+        self._squares: dict[int, torch.Tensor] = {}  # bucket index -> its one contribution's squared norm
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         # On CPU the host chunk are the device's memory: reduce straight into them.
         return self.view(bucket) if first and dtype == GRAD_DTYPE and self.stream is None else None
 
     def accept(self, bucket: Bucket, reduced: torch.Tensor, first: bool) -> None:
+        # [Note: the norm before the copy]: known only while the chunk holds one contribution.
+        if first:
+            self._squares[bucket.index] = blocked_squared_norm([reduced])
+        else:
+            self._squares.pop(bucket.index, None)
         chunk = self.view(bucket)
         if same_memory(reduced, chunk):
             return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
@@ -156,7 +179,11 @@ class HostGradStore(DeviceGradStore):
         for index in list(self._pending):
             self._settle(index, wait=True)
 
+    def taken_square(self, bucket: Bucket) -> torch.Tensor | None:
+        return self._squares.get(bucket.index)
+
     def clear(self) -> None:
+        self._squares.clear()
         if any(self._pending.values()):
             dev.host_waits(self._last)  # a staging buffer may be written again only after its copy
         self._pending.clear()

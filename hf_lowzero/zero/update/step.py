@@ -72,21 +72,28 @@ class StepStats:
         self.host = dev.host_buffer(2 + slots, torch.float64, pin=dev.is_cuda(shard.device))
 
     def decide(
-        self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None
+        self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None, squares=None
     ) -> StepVerdict:
         """Collective: one all-reduce and one host sync. ``reduced``: this rank's gradient chunks
         (on the device, or in host memory with offload); ``used``: this rank's flags (bool per
         slot, host); ``stale_reads``: this rank's count; ``extra``: a float64 device tensor to bring
-        back in the same copy (the integrity table), or None."""
+        back in the same copy (the integrity table), or None; ``squares``: per chunk, its squared
+        norm when already taken (``taken_square``: [Note: the norm before the copy]), or None."""
         rows = [chunk for chunk in reduced if chunk is not None]
-        square_sum = blocked_squared_norm(rows).reshape(1)
+        squares = squares or [None] * len(reduced)
+        held = [(chunk, square) for chunk, square in zip(reduced, squares) if chunk is not None]
+        untaken = [chunk for chunk, square in held if square is None]
+        parts = [blocked_squared_norm(untaken).reshape(1)]  # a host zero when ``untaken`` is empty
+        parts += [square.reshape(1) for _, square in held if square is not None]
+        zero = torch.zeros(1, dtype=torch.float64)  # 0 + x is x: the sums below are exactly those of the parts
+        on_host = [zero] + [part for part in parts if not dev.is_cuda(part.device)]  # the CPU, or offloaded rows
+        on_device = [part for part in parts if dev.is_cuda(part.device)]
         self.host[1] = stale_reads
         self.host[2:].copy_(used)
-        if not dev.is_cuda(square_sum.device):  # the CPU, or offloaded rows: a host value like the flags
-            self.host[:1].copy_(square_sum)
+        self.host[:1].copy_(torch.cat(on_host).sum())  # a host value like the flags
         stats = self.host.to(self.shard.device, non_blocking=True)  # the same tensor on the CPU
-        if dev.is_cuda(square_sum.device):
-            stats[:1].copy_(square_sum)
+        if on_device:
+            stats[:1].add_(torch.cat(on_device).sum())
         comm.all_reduce(stats, self.shard.group)
         if extra is None:
             back, extra_back = stats.cpu(), None
