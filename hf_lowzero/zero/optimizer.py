@@ -329,7 +329,8 @@ class LowLevelZeroOptimizer(OptimizerFacade):
     @property
     def last_skip_reason(self) -> str | None:
         """Why the last step was skipped, where its decision names a cause (``reduction="exact"``: a
-        gradient beyond the fixed-point grid, or not finite); None otherwise."""
+        gradient beyond the fixed-point grid, or not finite); None otherwise.
+        """
         return getattr(self._parts.stats, "last_skip", None)
 
     @property
