@@ -19,13 +19,16 @@ Example::
 # A float sum depends on its order, and the order depends on the world size W (how many micro-batches
 # each rank adds locally, how the collective adds the ranks). An integer sum does not. So with
 # reduction="exact" every contribution (one micro-batch's gradient of one parameter, on one rank) is
-# rounded once to a fixed-point grid 2^-s_p (s_p per parameter) and converted to int64, each as its
-# bucket is packed; the int64 values are summed exactly: over micro-batches into this rank's int64
-# accumulator, and over ranks by an int64 SUM reduce-scatter (gloo and NCCL sum int64). At the step
-# the sum is converted back once: x = fp32(float64(S) * c_p), c_p = float64(2^-s_p / D), D the number
-# of contributions of the step over all ranks (the mean; 1 where the losses were normalized globally
-# already, as the Trainer's token-count normalization does). Every value that enters this is the same at any W, given
-# the same global micro-batches and deterministic kernels, so x is too, bit for bit.
+# scaled to a fixed-point grid 2^-s_p (s_p per parameter; by a power of two: exact) and converted to
+# int64, truncating toward zero, each as its bucket is packed. (The grid keeps 50 - log2(N) bits
+# below a parameter's largest contribution once it has one step's history, so the truncation's bias
+# is far below fp32's rounding; a separate rounding pass cost 10% of the quantization on CPU.) The
+# int64 values are summed exactly: over micro-batches into this rank's int64 accumulator, and over
+# ranks by an int64 SUM reduce-scatter (gloo and NCCL sum int64). At the step the sum is converted
+# back once: x = fp32(float64(S) * c_p), c_p = float64(2^-s_p / D), D the number of contributions of
+# the step over all ranks (the mean; 1 where the losses were normalized globally already, as the
+# Trainer's token-count normalization does). Every value that enters this is the same at any W,
+# given the same global micro-batches and deterministic kernels, so x is too, bit for bit.
 # - The grid is a function of state every W shares: the previous step's global max |contribution|
 #   per parameter M_p (an all-reduce MAX: exact, order-free) and the largest number of contributions
 #   per step seen so far, N. With every |q| <= 2^(62 - ceil(log2 N)), no partial sum of N of them
@@ -35,10 +38,11 @@ Example::
 #   happened depends only on the set of contributions, so every rank at every W sees the same answer
 #   in the same all-reduce MAX, and the step is skipped (as for a non-finite gradient); the grid then
 #   widens from the maxima observed. Non-finite gradients are flagged before quantizing, as inf maxima.
-# - The norm: per parameter, the sum of squares of the converted values x, each square rounded to a
-#   grid 2^-t_p chosen from the parameter's global max |x| so that its sum stays below 2^53 (exact in
-#   float64, in any order: the ranks' partial sums are summed by an all-reduce SUM); the parameters'
-#   sums are then added on the host, exactly rounded (``math.fsum``), in parameter order.
+# - The norm: per parameter, the sum of squares of the converted values (in float64, before their
+#   rounding to fp32: the same function of S at any W), each square rounded to a grid 2^-t_p chosen
+#   from the parameter's global max so that its sum stays below 2^53 (exact in float64, in any order:
+#   the ranks' partial sums are summed by an all-reduce SUM); the parameters' sums are then added on
+#   the host, exactly rounded (``math.fsum``), in parameter order.
 # - Two host syncs per step (the maxima, then the squares), where "ddp" has one: the conversion needs
 #   every rank's maxima and counts.
 # What it does not make invariant, the caller must: the micro-batches themselves (the same global

@@ -96,7 +96,8 @@ class Grid:
 
 def square_exponents(maxima: list[float], numels: list[int]) -> list[int]:
     """Per parameter ``t``: its squares are rounded to multiples of ``2**-t`` so that the sum of its
-    ``numel`` rounded squares stays below ``2**SQUARE_BITS``; ``maxima`` are its largest |value|."""
+    ``numel`` rounded squares stays below ``2**SQUARE_BITS``; ``maxima`` are its largest |value|
+    (the squares are float64 products like ``m * m``, so none exceeds it)."""
     return [SQUARE_BITS - bound_bits(m * m) - ceil_log2(n) if m > 0 else 0 for m, n in zip(maxima, numels, strict=True)]
 
 

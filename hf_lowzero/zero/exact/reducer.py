@@ -1,8 +1,8 @@
 """``ExactReducer``: a bucket's reduction in int64 fixed point ([Note: exact reduction] in ``__init__.py``).
 
 Each micro-batch's bucket is packed as usual (in fp32 whatever the params' dtype), its per-parameter
-maxima are kept for the step's overflow test and the next grid, and it is rounded to the grid and
-converted to int64; the int64 bucket is reduce-scattered (a SUM: exact on every backend) and added
+maxima are kept for the step's overflow test and the next grid, and it is scaled to the grid and
+converted to int64 (truncating); the int64 bucket is reduce-scattered (a SUM: exact on every backend) and added
 into this rank's int64 accumulator. The conversion back to float happens once, at the step
 (``step.py``). Every backward reduces: no ``no_sync()`` (a local float ``+=`` of ``p.grad`` would
 round in an order that depends on the world size).
@@ -121,13 +121,12 @@ class ExactReducer(BucketReducer):
             seen = packed.max_abs(values).nan_to_num_(nan=math.inf)  # a non-finite gradient: an inf maximum
             self.max_abs[packed.index] = torch.maximum(self.max_abs[packed.index], seen)
             packed.scale(values, self._factors[bucket.index])  # by powers of two: exact
-            values.round_()
             direct = self.accumulator(bucket) if first else None
             if self.shard.world_size == 1 and direct is not None:
                 quantized = direct
             else:
                 quantized = self.take(bucket.packed_numel, SUM_DTYPE, bucket.device, taken)
-            quantized.copy_(values)  # integers below 2**62: exact in int64
+            quantized.copy_(values)  # truncated toward zero: [Note: exact reduction]
         self.pool.give(values)
         if self.shard.world_size == 1:
             return Reduction(bucket, None, quantized, tuple(taken))

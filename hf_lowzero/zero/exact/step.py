@@ -6,8 +6,9 @@ reached in two all-reduces instead of one:
 1. MAX of: per parameter the largest |contribution| this step (the overflow test, the next grid) and
    the largest |exact sum| (the norm's grid), and each rank's number of contributions (their sum is
    the divisor of the mean). One host sync; every rank now decides alike whether the step overflowed.
-2. Unless it did: the int64 sums become fp32 gradient rows, once; per parameter the sum of their rounded
-   squares (exact, ``grid.square_exponents``) goes into a SUM with the stale reads and the used flags.
+2. Unless it did: the int64 sums become fp32 gradient rows, once; per parameter the sum of the rounded
+   squares of their float64 values (exact, ``grid.square_exponents``) goes into a SUM with the stale
+   reads and the used flags.
    The second host sync brings that back; the norm is their exactly rounded sum, in parameter order.
 
 Example::
@@ -99,7 +100,7 @@ class ExactStepStats:
         values.copy_(reducer.accumulator(bucket))
         owned.scale(values, [factors[i] for i in owned.slots])
         rows.copy_(values)  # the rounding to fp32
-        values.copy_(rows).square_()  # an fp32 value's square is exact in float64
+        values.square_()  # the norm of the float64 values: deterministic, a 2**-24 relative step from fp32's
         owned.scale(values, [2.0 ** square_exps[i] for i in owned.slots])  # exact: powers of two
         values.round_()
         squares[owned.index] = owned.sums(values)  # integers summing below 2**53: exact in float64
@@ -122,6 +123,6 @@ class ExactStepStats:
 
 
 def _converted(sum_max: list[float], factors: list[float]) -> list[float]:
-    """The conversion of ``_convert`` applied to each param's largest |sum|: its largest |gradient|
-    (the conversion is monotone), computed with the same roundings."""
-    return torch.tensor([m * f for m, f in zip(sum_max, factors)], dtype=torch.float64).to(torch.float32).tolist()
+    """The conversion of ``_convert`` (in float64) applied to each param's largest |sum|: its largest
+    |value| (the conversion is monotone), with the same rounding."""
+    return [m * f for m, f in zip(sum_max, factors)]
