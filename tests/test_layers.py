@@ -77,3 +77,29 @@ def test_no_import_cycle():
 def test_no_module_is_over_450_lines():
     long = {str(p.relative_to(ZERO)): n for p in ZERO.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+# The package's rooms, bottom to top: a room imports only from rooms before it. Two named exceptions:
+# ``python -m hf_lowzero.plan`` (the plan's command, an entry point that parses the Trainer's flags)
+# and ``hf_lowzero.ray``'s deprecated aliases of the fine-tune job's names (a lazy import that goes
+# away with them).
+PACKAGE_ROOMS = [
+    "zero", "data", "testing", "checkpoint", "consolidate", "snapshot", "simulation", "plan", "trainer", "ray",
+    "recipes", "__init__",
+]  # fmt: skip
+ENTRY_POINTS = {("plan/__main__.py", "trainer"), ("ray/__init__.py", "recipes")}
+
+
+def test_the_package_rooms_import_downward_only():
+    root = ZERO.parent
+    upward = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        room = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_lowzero."):
+                target = node.module.split(".")[1]
+                exempt = target == room or (rel.as_posix(), target) in ENTRY_POINTS
+                if not exempt and PACKAGE_ROOMS.index(target) > PACKAGE_ROOMS.index(room):
+                    upward.append(f"{rel} ({room}) imports {node.module}")
+    assert not upward, "imports from a higher room:\n" + "\n".join(sorted(upward))

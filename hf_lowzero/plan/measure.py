@@ -24,6 +24,7 @@ from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.simulate import simulate_step
 from hf_lowzero.plan.step_records import Setup, StepMemory, TrainingSpec
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.zero.zero_config import ZeroConfig
 
 
 def measure_step(
@@ -123,9 +124,9 @@ def tiny_model_spec(name: str) -> ModelSpec:
 
 
 def case_training(case: PlanCase) -> TrainingSpec:
-    from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
+    from transformers import TrainingArguments
 
-    args = LowZeroTrainingArguments(
+    args = TrainingArguments(
         output_dir=os.devnull,
         report_to=[],
         use_cpu=True,
@@ -134,9 +135,11 @@ def case_training(case: PlanCase) -> TrainingSpec:
         gradient_checkpointing=case.gradient_checkpointing,
         gradient_accumulation_steps=case.gradient_accumulation_steps,
         per_device_train_batch_size=case.batch_size,
-        zero_master_dtype=case.master_dtype,
     )
-    return TrainingSpec.from_args(args)
+    # The ZeRO fields LowZeroTrainingArguments(zero_master_dtype=...) would give, without reaching up
+    # into trainer/ (the Trainer plans through this room, not the other way round).
+    zero = ZeroConfig(stage=2, master_dtype=case.master_dtype, clip_grad_norm=float(args.max_grad_norm or 0.0))
+    return TrainingSpec.from_args(args, zero_config=zero)
 
 
 def check_case(case: PlanCase) -> dict:

@@ -56,15 +56,16 @@ class TrainingSpec:
     zero: dict[str, Any] = field(default_factory=dict)  # ZeroConfig fields other than stage and offload
 
     @classmethod
-    def from_args(cls, args) -> TrainingSpec:
-        """From ``TrainingArguments`` (any subclass; the ``zero_*`` fields when it has them)."""
+    def from_args(cls, args, zero_config: ZeroConfig | None = None) -> TrainingSpec:
+        """From ``TrainingArguments`` (any subclass; the ``zero_*`` fields when it has them), or with
+        ``zero_config``'s ZeRO fields for plain ``TrainingArguments``."""
         from transformers import Trainer
 
         optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
         dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
         zero: dict[str, Any] = {"clip_grad_norm": float(args.max_grad_norm or 0.0)}
-        if hasattr(args, "to_zero_config"):
-            config = args.to_zero_config(stage=2)
+        config = zero_config or (args.to_zero_config(stage=2) if hasattr(args, "to_zero_config") else None)
+        if config is not None:
             zero = {
                 name: getattr(config, name)
                 for name in ZeroConfig.__dataclass_fields__
