@@ -69,12 +69,16 @@ class Segments:
 
     def max_abs(self, flat: torch.Tensor) -> torch.Tensor:
         """``[params]``: each listed param's largest |value| in ``flat`` (NaN where it holds a NaN).
-        From each view's min and max, in one read: no temporary, and on the CPU 2-3x faster than an
-        inf-norm (torch 2.13)."""
+        From each view's min and max: no temporary. Measured on the CPU with torch 2.13, for GPT-2
+        4x256: an inf-norm took 2-3x as long; ``aminmax`` reads a 1D view once (1.0 ms against 1.3 for
+        ``amin`` and ``amax``) but copies a 2D one first (4.0 ms against 2.4)."""
         views = self.views(flat)
         if not views:
             return torch.zeros(0, dtype=flat.dtype, device=flat.device)
-        lows, highs = zip(*(torch.aminmax(v) for v in views))
+        if self.rows == 1:
+            lows, highs = zip(*(torch.aminmax(v) for v in views))
+        else:
+            lows, highs = [v.amin() for v in views], [v.amax() for v in views]
         return torch.maximum(torch.stack(highs), torch.stack(lows).neg())
 
     def sums(self, flat: torch.Tensor) -> torch.Tensor:
