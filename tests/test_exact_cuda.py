@@ -18,7 +18,7 @@ from torch.nn.functional import mse_loss
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, make_inner
-from tests.test_exact_reduction import GLOBAL, STEPS, micro_batch, usage
+from tests.test_exact_reduction import GLOBAL, STEPS, micro_batch, step_in_pieces, usage
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -40,13 +40,9 @@ def test_cuda_row_kernels_compute_each_element_alike(kernel):
     grads = [(torch.randn(n, generator=g) * 10.0**-k).cuda() for k in range(4)]
 
     def steps(cuts: list[int]) -> torch.Tensor:
-        pieces = [start[a:b].clone() for a, b in zip(cuts, cuts[1:])]
-        opt = torch.optim.AdamW(pieces, lr=1e-2, weight_decay=0.1, **{kernel: True})
-        for grad in grads:
-            for piece, a, b in zip(pieces, cuts, cuts[1:]):
-                piece.grad = grad[a:b].clone()
-            opt.step()
-        return torch.cat(pieces)
+        return step_in_pieces(
+            start, grads, cuts, lambda pieces: torch.optim.AdamW(pieces, lr=1e-2, weight_decay=0.1, **{kernel: True})
+        )
 
     whole = steps([0, n])
     for world_size in (2, 3, 4, 8):

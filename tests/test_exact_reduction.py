@@ -283,6 +283,18 @@ ROW_OPTIMIZERS = [
 ]
 
 
+def step_in_pieces(start: torch.Tensor, grads: list[torch.Tensor], cuts: list[int], make_optimizer) -> torch.Tensor:
+    """``start`` cut at ``cuts`` into pieces (as row shards cut a param), stepped by
+    ``make_optimizer(pieces)`` with each of ``grads`` cut alike; the pieces joined again."""
+    pieces = [start[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+    opt = make_optimizer(pieces)
+    for grad in grads:
+        for piece, a, b in zip(pieces, cuts, cuts[1:]):
+            piece.grad = grad[a:b].clone()
+        opt.step()
+    return torch.cat(pieces)
+
+
 @pytest.mark.parametrize("cls, kwargs", ROW_OPTIMIZERS, ids=lambda v: getattr(v, "__name__", ""))
 @pytest.mark.parametrize("foreach", [True, False])
 def test_row_kernels_compute_each_element_alike(cls, kwargs, foreach):
@@ -294,13 +306,7 @@ def test_row_kernels_compute_each_element_alike(cls, kwargs, foreach):
     grads = [torch.randn(n, generator=g) * 10.0**-k for k in range(4)]
 
     def steps(cuts: list[int]) -> torch.Tensor:
-        pieces = [start[a:b].clone() for a, b in zip(cuts, cuts[1:])]
-        opt = cls(pieces, foreach=foreach, **kwargs)
-        for grad in grads:
-            for piece, a, b in zip(pieces, cuts, cuts[1:]):
-                piece.grad = grad[a:b].clone()
-            opt.step()
-        return torch.cat(pieces)
+        return step_in_pieces(start, grads, cuts, lambda pieces: cls(pieces, foreach=foreach, **kwargs))
 
     whole = steps([0, n])
     for world_size in (2, 3, 4):
