@@ -302,3 +302,15 @@ def bar_plot(path: Path, labels: list[str], values: list[float], spans=None, xla
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def ratio_plot(path: Path, rows: list[dict], xlabel: str, title: str) -> None:
+    """``bar_plot`` of rows of interleaved ratios: ``setup``, ``ratio_median`` and its min-max span."""
+    bar_plot(
+        path,
+        [r["setup"] for r in rows],
+        [r["ratio_median"] for r in rows],
+        spans=[(r["ratio_min"], r["ratio_max"]) for r in rows],
+        xlabel=xlabel,
+        title=title,
+    )

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.common import RESULTS, bar_plot, collect, gpt2, interleaved_ms_per_step, write_results  # noqa: E402
+from benchmarks.common import RESULTS, collect, gpt2, interleaved_ms_per_step, ratio_plot, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.zero.runtime.comm import comm_stats  # noqa: E402
 
@@ -116,13 +116,11 @@ def main() -> None:
         "wait for it)."
     )
     print(write_results("exact_reduction", rows, list(rows[0]), header))
-    bar_plot(
+    ratio_plot(
         RESULTS / "exact_reduction.png",
-        [r["setup"] for r in rows],
-        [r["ratio_median"] for r in rows],
-        spans=[(r["ratio_min"], r["ratio_max"]) for r in rows],
-        xlabel="step time / ddp (median, min-max over rounds)",
-        title="exact reduction, GPT-2 4x256, W=2, CPU",
+        rows,
+        "step time / ddp (median, min-max over rounds)",
+        "exact reduction, GPT-2 4x256, W=2, CPU",
     )
 
 

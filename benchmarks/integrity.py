@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, bar_plot, collect, gpt2, interleaved_ms_per_step, write_results  # noqa: E402
+from benchmarks.common import RESULTS, collect, gpt2, interleaved_ms_per_step, ratio_plot, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 
 ROUNDS, STEPS, WARMUP = 8, 10, 3
@@ -82,13 +82,11 @@ def main() -> None:
         "fp32) and all-gathers the numbers; `KiB_gathered_per_verify` is that all-gather's output per rank."
     )
     print(write_results("integrity", rows, list(rows[0]), header))
-    bar_plot(
+    ratio_plot(
         RESULTS / "integrity.png",
-        [r["setup"] for r in rows],
-        [r["ratio_median"] for r in rows],
-        spans=[(r["ratio_min"], r["ratio_max"]) for r in rows],
-        xlabel="step time / checks off (median, min-max over rounds)",
-        title="integrity checks, GPT-2 4x256, W=2, CPU",
+        rows,
+        "step time / checks off (median, min-max over rounds)",
+        "integrity checks, GPT-2 4x256, W=2, CPU",
     )
 
 
