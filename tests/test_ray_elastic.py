@@ -7,29 +7,24 @@ Capacity is a custom resource: each worker needs one ``worker_slot`` and each ex
 ``ray.cluster_utils.Cluster`` (a raylet of its own on this machine) has one. Removing a node kills
 the worker on it; adding one lets Ray's elastic policy grow the group. A callback holds the workers
 at a checkpoint step until the test changed capacity, so every change happens at a known step.
+With ``--reduction exact`` the same run ends with the fixed run's bits: ``tests/test_exact_ray.py``.
 """
 
-import json
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-import torch.distributed as dist  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
-
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers  # noqa: E402
 from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from tests import ray_clusters  # noqa: E402
-from tests.ray_checkpoints import missing_files, saved_world_size, step_of, trainer_checkpoint  # noqa: E402
+from tests.ray_checkpoints import missing_files, saved_world_size, step_of  # noqa: E402
+from tests.ray_holds import HOLD_TIMEOUT_S, HoldAt, loss_curve, wait_for  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
 SHRINK_AT, GROW_AT = SAVE, 2 * SAVE  # checkpoint steps after which capacity changes
-HOLD_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -37,41 +32,6 @@ def slot_cluster():
     """A head node (no worker slot) and two nodes with one worker slot each."""
     with ray_clusters.slot_cluster(2) as (cluster, nodes):
         yield cluster, nodes
-
-
-class HoldForCapacityChange(TrainerCallback):
-    """At each step of ``steps``, once per run: once Ray committed that step's checkpoint, rank 0
-    writes ``signal_dir/hold_<step>``; every rank then waits for the test to change capacity, which
-    ends this attempt."""
-
-    def __init__(self, steps: set[int], signal_dir: Path) -> None:
-        self.steps, self.signal_dir = steps, signal_dir
-
-    def on_save(self, args, state, control, **kwargs):
-        marker = self.signal_dir / f"hold_{state.global_step}"
-        if state.global_step not in self.steps or marker.exists():
-            return
-        dist.barrier()  # every rank checked the marker before it appears
-        if dist.get_rank() == 0:
-            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-            marker.write_text(str(dist.get_world_size()))
-        time.sleep(HOLD_TIMEOUT_S)
-        raise RuntimeError(f"capacity did not change within {HOLD_TIMEOUT_S} s of step {state.global_step}")
-
-
-def wait_for(path: Path, run, timeout_s: float = HOLD_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if run.done():
-            raise AssertionError(f"the run ended before {path.name}: {run.result()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {path.name} within {timeout_s} s")
-        time.sleep(0.2)
-
-
-def loss_curve(result) -> list[dict]:
-    history = json.loads((trainer_checkpoint(result.checkpoint.path) / "trainer_state.json").read_text())
-    return [h for h in history["log_history"] if "loss" in h]
 
 
 @pytest.mark.slow
@@ -87,7 +47,7 @@ def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cl
 
     signals = tmp_path / "signals"
     signals.mkdir()
-    hold = HoldForCapacityChange({SHRINK_AT, GROW_AT}, signals)
+    hold = HoldAt({SHRINK_AT, GROW_AT}, signals)
     trainer = build_trainer(RayFinetuneConfig(num_workers=(1, 2), name="elastic", **common), trainer_callbacks=[hold])
     with ThreadPoolExecutor(1) as pool:
         run = pool.submit(trainer.fit)
