@@ -8,8 +8,8 @@ Needs Debian's chromium (``apt-get install chromium``). For each page of the sit
 full-width screenshot of its top (``--whole``: of all of it, cut into parts ``NAME-1.png``,
 ``NAME-2.png``, ... that an image viewer shows at a readable size; needs Pillow). Look at them before
 a docs change lands. It fails, naming the page, when:
-- markup shows through: a literal code fence, ``**``, a table's ``|---|`` row or an HTML comment
-  in the text the browser renders;
+- markup shows through: a literal code fence, ``**``, a table's ``|---|`` row, an HTML comment
+  or a list item's ``- `` run into a paragraph, in the text the browser renders;
 - a picture (a ``mermaid`` block) did not render to an SVG, or Mermaid reported a syntax error.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "out" / "docs_render"
 SHOWS_THROUGH = {"a code fence": "```", "bold markup": "**", "a table's rule row": "|---", "an HTML comment": "<!--"}
+# A list item that ran into the paragraph before it (a table or a paragraph nested in a list item
+# without the indentation Python-Markdown needs ends the list): its "- " shows after a sentence.
+RAN_IN = re.compile(r"[.;:,)]\s+-\s+\S")
 
 
 class _VisibleText(HTMLParser):
@@ -59,6 +63,8 @@ def problems(dom: str, console: str = "") -> list[str]:
     parser.feed(dom)
     text = " ".join(parser.parts)
     found = [f"{what} shows through: ...{_around(text, m)}..." for what, m in SHOWS_THROUGH.items() if m in text]
+    ran_in = RAN_IN.search(text)
+    found += [f"a list item ran into a paragraph: ...{_around(text, ran_in.group())}..."] if ran_in else []
     # The theme draws a picture into a shadow root that replaces its ``<pre class="mermaid">`` with a
     # ``<div class="mermaid">``; the dump leaves the shadow root out, so a ``pre`` left is one not drawn.
     left = dom.count('<pre class="mermaid"')
