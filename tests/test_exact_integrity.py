@@ -22,10 +22,15 @@ from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.integrity.checker import IntegrityChecker
 from hf_lowzero.zero.integrity.reduction_faults import Fault, inject
 from tests.models import BranchyNet, make_inner
-from tests.test_checksums import LONG, SHAPES, _bucket, _piece, _shard
+from hf_lowzero.zero.integrity.checksums import HASH_WIDTH
+from tests.test_checksums import _bucket, _piece, _shard
 from tests.test_exact_reduction import GLOBAL, micro_batch, usage
 
 # ------------------------------------------------------------------- the arithmetic, in one process
+
+# a 1-element param, a padded one (17 x 257 over 3 ranks), one whose pieces span several hash widths
+SHAPES = [(1,), (7,), (17, 257), (3 * (2 * HASH_WIDTH + 5),), (384,)]
+LONG = "p3"
 
 
 def _checkers(bucket, world_size):
@@ -92,7 +97,7 @@ def test_a_clean_exact_reduction_checks_to_the_bit_through_wraparound(whole):
 
 @pytest.mark.parametrize("whole", [False, True])
 def test_one_in_the_last_bit_is_caught_and_named(whole):
-    """Each param in turn (a 1-element one, a padded 17 x 257 one, one over several sign periods): one
+    """Each param in turn (a 1-element one, a padded 17 x 257 one, one over several hash widths): one
     reduced int64 element off by one, or two swapped; no tolerance hides either."""
     world_size = 3
     bucket = _bucket(SHAPES, world_size, whole)
@@ -222,8 +227,8 @@ def _fault(rank, world_size, kind, tmp):
     return _params(model, opt)
 
 
-def _optimizer_body(rank, world_size, kinds, tmp):
-    for stage in (1, 2):
+def _optimizer_body(rank, world_size, stages, kinds, tmp):
+    for stage in stages:
         _clean(rank, world_size, stage, steps=5)
     model = BranchyNet()
     opt = _optimizer(model, verify_every="off")
@@ -235,5 +240,9 @@ def _optimizer_body(rank, world_size, kinds, tmp):
             assert torch.equal(replayed[name], p), f"{kind}: {name} after the rollback"
 
 
-def test_exact_checks_at_two_ranks_catch_faults_and_roll_back(tmp_path):
-    run_distributed(_optimizer_body, 2, kinds=["flip", "drop", "double"], tmp=str(tmp_path))
+@pytest.mark.parametrize(
+    "stages, kinds", [((2,), ["flip"]), pytest.param((1,), ["drop", "double"], marks=pytest.mark.slow)]
+)
+def test_exact_checks_at_two_ranks_catch_faults_and_roll_back(stages, kinds, tmp_path):
+    """Fast tier: stage 2, a flipped last bit; slow tier: stage 1, a dropped and a doubled contribution."""
+    run_distributed(_optimizer_body, 2, stages=stages, kinds=kinds, tmp=str(tmp_path))
