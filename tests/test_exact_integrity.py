@@ -227,9 +227,25 @@ def _fault(rank, world_size, kind, tmp):
     return _params(model, opt)
 
 
+def _nonfinite(rank, world_size):
+    """A NaN in rank 1's gradient at step 2: int64 holds no NaN, but what was sent is what was summed, so
+    the checks raise nothing; the step is skipped on every rank, its skip naming the parameter."""
+    model = BranchyNet()
+    opt = _optimizer(model, verify_every=1)
+    target = "embed.weight"
+    dict(model.named_parameters())[target].register_hook(
+        lambda g: g.clone().fill_(float("nan")) if rank == 1 and opt.integrity.step == 2 else g
+    )
+    reasons = []
+    _train(model, opt, rank, world_size, range(3), after_step=lambda step: reasons.append(opt.last_skip_reason))
+    assert (opt.skipped_steps, opt.integrity.checks, opt.integrity.failures) == (1, 3, 0)
+    assert reasons[0] is None and reasons[2] is None and target in reasons[1], reasons
+
+
 def _optimizer_body(rank, world_size, stages, kinds, tmp):
     for stage in stages:
         _clean(rank, world_size, stage, steps=5)
+    _nonfinite(rank, world_size)
     model = BranchyNet()
     opt = _optimizer(model, verify_every="off")
     _train(model, opt, rank, world_size, range(10))
