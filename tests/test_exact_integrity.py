@@ -222,8 +222,9 @@ def _fault(rank, world_size, kind, tmp):
     model = BranchyNet()  # the rollback: a fresh process's optimizer, from the last verified step
     opt = _optimizer(model)
     load_checkpoint(opt, f"{tmp}/{kind}-step4")
-    opt.integrity.step = 5
+    opt.step_number = 5  # counting on from the checkpoint, as LowZeroTrainer does
     _train(model, opt, rank, world_size, range(4, 10))
+    assert (opt.integrity.checks, opt.integrity.failures, opt.integrity.last_verified) == (2, 0, 10)  # 7 and 10
     return _params(model, opt)
 
 
