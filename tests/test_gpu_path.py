@@ -102,6 +102,11 @@ def _undo_each_fix() -> dict[str, str]:
             outcome["head read outside its module", reduction] = "passed"
         except StaleReadError as e:
             outcome["head read outside its module", reduction] = f"{type(e).__name__}: {e}"
+    from hf_lowzero.zero.exact import step as exact_step
+
+    with mock.patch.object(exact_step, "dev", _PageableHost(dev)):  # exact mode's flags before the fix
+        (result,) = check_cases([GpuCase(2, dtype="bf16", accumulation=2, reduction="exact")])
+    outcome["exact flags from pageable memory"] = [site for phase, site in result.runs[0].syncs[-1]["sites"]]
     rounded = mock.patch.object(
         dev, "host_buffer", lambda numel, dtype, pin, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin)
     )
@@ -109,6 +114,19 @@ def _undo_each_fix() -> dict[str, str]:
         (result,) = check_cases([GpuCase(2, dtype="bf16", offload=True)])
     outcome["pinned through the caching allocator"] = ", ".join(result.runs[0].caching_pinned)
     return outcome
+
+
+class _PageableHost:
+    """``zero.device`` as exact/step.py used it before the fix: its flags in pageable host memory."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def host_buffer(self, numel, dtype, pin, zero=True):
+        return self._module.host_buffer(numel, dtype, False, zero)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _CurrentDeviceOnly:
@@ -275,6 +293,9 @@ def test_each_fix_undone_is_caught(fake_gpu_w2):
     assert "reached NCCL's all_gather" in undone["export gathers host rows"]
     assert undone["barrier on the current device"].startswith("NcclRuleError: rank 1: barrier on cuda:0")
     assert "aten.zeros" in undone["pinned through the caching allocator"]
+    # a third host sync per exact step: the flags' blocking copy to the device
+    pageable = undone["exact flags from pageable memory"]
+    assert len(pageable) == 3 and "self.host.to(self.device" in pageable[1], pageable
     for reduction in ("ddp", "exact"):
         assert undone["head read outside its module", reduction].startswith(
             "StaleReadError: addmm.default reads parameter 'head.bias' while its all-gather is in flight"
