@@ -1,8 +1,9 @@
 """The GPU path without a GPU: the review's findings, each shown and fixed.
 
 - The real step on fake CUDA tensors (``hf_lowzero.simulation``): stages 1 and 2, offload,
-  fp16/bf16/fp32, accumulation, unused params, whole params, a snapshot copy, checkpoint save and
-  export. Every collective is checked against NCCL's rules and compared across ranks, every access
+  fp16/bf16/fp32, accumulation, unused params, whole params, exact reduction (int64 collectives, its
+  host syncs, fused kernels kept on a GPU), a snapshot copy, checkpoint save and export, every step
+  verified. Every collective is checked against NCCL's rules and compared across ranks, every access
   ordered as CUDA streams and events order it. Rank r trains on ``cuda:r`` with the current device
   left at 0 (no ``torch.cuda.set_device``).
 - The plan's step with gradient checkpointing, reentrant and not: each layer recomputed with the
@@ -95,11 +96,17 @@ def _undo_each_fix() -> dict[str, str]:
             outcome[name] = "passed"
         except (RaceError, NcclRuleError) as e:
             outcome[name] = f"{type(e).__name__}: {e}"
-    try:  # not a fix undone: a model that reads a weight outside the module holding it
-        check_cases([GpuCase(2, dtype="bf16", head_outside=True)])
-        outcome["head read outside its module"] = "passed"
-    except StaleReadError as e:
-        outcome["head read outside its module"] = f"{type(e).__name__}: {e}"
+    for reduction in ("ddp", "exact"):  # not a fix undone: a model that reads a weight outside its module
+        try:
+            check_cases([GpuCase(2, dtype="bf16", head_outside=True, reduction=reduction)])
+            outcome["head read outside its module", reduction] = "passed"
+        except StaleReadError as e:
+            outcome["head read outside its module", reduction] = f"{type(e).__name__}: {e}"
+    from hf_lowzero.zero.exact import step as exact_step
+
+    with mock.patch.object(exact_step, "dev", _PageableHost(dev)):  # exact mode's flags before the fix
+        (result,) = check_cases([GpuCase(2, dtype="bf16", accumulation=2, reduction="exact")])
+    outcome["exact flags from pageable memory"] = [site for phase, site in result.runs[0].syncs[-1]["sites"]]
     rounded = mock.patch.object(
         dev, "host_buffer", lambda numel, dtype, pin, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin)
     )
@@ -107,6 +114,19 @@ def _undo_each_fix() -> dict[str, str]:
         (result,) = check_cases([GpuCase(2, dtype="bf16", offload=True)])
     outcome["pinned through the caching allocator"] = ", ".join(result.runs[0].caching_pinned)
     return outcome
+
+
+class _PageableHost:
+    """``zero.device`` as exact/step.py used it before the fix: its flags in pageable host memory."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def host_buffer(self, numel, dtype, pin, zero=True):
+        return self._module.host_buffer(numel, dtype, False, zero)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _CurrentDeviceOnly:
@@ -139,13 +159,34 @@ def _check_runs(results) -> None:
             # beyond the few bytes of the step's flags ([Note: one host sync per step] in zero/update/step.py)
             assert (run.optimizer_pinned > 1024) == case.offload, case.label
             assert run.host_tensors_saved > 0 and sum(run.pinned_bytes) >= run.optimizer_pinned, case.label
+            assert run.checks == case.steps, case.label  # every step verified, on fake tensors too
         assert result.runs[0].exported_states > 0, case.label
         ops = [c.op for c in result.runs[0].sequence]
         reduction = "all_to_all" if case.partition == "params" else "reduce_scatter"
         assert reduction in ops and "all_reduce" in ops and "barrier" in ops, (case.label, set(ops))
+        if case.reduction == "exact":
+            _check_exact(result)
+            continue
         # [Note: the divide in the collective]: W=2 and 4 average in NCCL's reduce-scatter, no divide pass
         averaged = {c.reduction for c in result.runs[0].sequence if c.op == "reduce_scatter"}
         assert averaged <= {"PREMUL_SUM"}, (case.label, averaged)
+
+
+def _check_exact(result) -> None:
+    """[Note: exact reduction] on NCCL: gradients travel as int64 and are summed, never averaged in the
+    collective (an integer sum is divided once, at the step); each step all-reduces the maxima (MAX)
+    before the squares and flags (SUM); the fused AdamW the inner optimizer asked for is kept on a GPU
+    (the switch to foreach is for the CPU's fused kernel only: zero/exact/kernels.py)."""
+    case = result.case
+    for run in result.runs:
+        reductions = {(c.op, c.dtype, c.reduction) for c in run.sequence if c.op in ("reduce_scatter", "all_to_all")}
+        if case.partition == "rows":
+            assert reductions == {("reduce_scatter", "int64", "SUM")}, (case.label, reductions)
+            assert run.kernels and all(k == (True, False) for k in run.kernels), (case.label, run.kernels)
+        else:  # the gradients to their owners in int64; the updated params back in the params' dtype
+            assert ("all_to_all", "int64", None) in reductions, (case.label, reductions)
+        all_reduces = [c.reduction for c in run.sequence if c.op == "all_reduce"]
+        assert all_reduces[:2] == ["MAX", "SUM"] and all_reduces.count("MAX") == case.steps, (case.label, all_reduces)
 
 
 def test_the_step_runs_on_fake_gpus_under_nccls_rules(fake_gpu_w2):
@@ -252,22 +293,36 @@ def test_each_fix_undone_is_caught(fake_gpu_w2):
     assert "reached NCCL's all_gather" in undone["export gathers host rows"]
     assert undone["barrier on the current device"].startswith("NcclRuleError: rank 1: barrier on cuda:0")
     assert "aten.zeros" in undone["pinned through the caching allocator"]
-    assert undone["head read outside its module"].startswith(
-        "StaleReadError: addmm.default reads parameter 'head.bias' while its all-gather is in flight"
-    )
+    # a third host sync per exact step: the flags' blocking copy to the device
+    pageable = undone["exact flags from pageable memory"]
+    assert len(pageable) == 3 and "self.host.to(self.device" in pageable[1], pageable
+    for reduction in ("ddp", "exact"):
+        assert undone["head read outside its module", reduction].startswith(
+            "StaleReadError: addmm.default reads parameter 'head.bias' while its all-gather is in flight"
+        )
 
 
 def test_the_step_syncs_the_host_once_and_backward_never(fake_gpu_w2):
     """[Note: one host sync per step]: in a step after a step (the gathers in flight into its
     forward), the host waits for the device once, at the step, for the clip and skip decision; with
     offload once more, for the gradients' copies it steps on. Never in the forward, the backward
-    hooks or the gathers, verify steps included (every step here is one)."""
+    hooks or the gathers, verify steps included (every step here is one).
+
+    Exact reduction waits twice at the step ([Note: exact reduction] in zero/exact/__init__.py): for
+    the maxima (the conversion back to float needs every rank's maxima and count), then for the
+    squares, flags and the integrity table, as "ddp"'s one; the flags go to the device from page-locked
+    memory, without a wait of their own."""
+    exact_sites = ["zero/exact/step.py", "zero/exact/step.py"]
     for result in fake_gpu_w2["cases"]:
         case = result.case
         for run in result.runs:
             last = run.syncs[-1]
-            expected = {"forward": 0, "backward": 0, "gather": 0, "step": 2 if case.offload else 1}
+            step = 2 if case.offload or case.reduction == "exact" else 1
+            expected = {"forward": 0, "backward": 0, "gather": 0, "step": step}
             assert {phase: last[phase] for phase in expected} == expected, (case.label, run.rank, last["sites"])
+            if case.reduction == "exact":
+                sites = [site.split(":")[0] for phase, site in last["sites"] if phase == "step"]
+                assert sites == exact_sites, (case.label, last["sites"])
 
 
 def test_gpu_plans_run_on_fake_gpus():

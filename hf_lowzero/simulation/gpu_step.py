@@ -61,10 +61,13 @@ class GpuCase:
     steps: int = 2
     overlap_allgather: bool = True  # the gathers left in flight after the step ([Note: overlapped all-gather])
     head_outside: bool = False  # the model reads the head's weight outside the head's forward (a stale read)
+    reduction: str = "ddp"  # or "exact": int64 sums ([Note: exact reduction] in zero/exact/__init__.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES or self.partition not in ("rows", "params") or self.stage not in (1, 2):
             raise ValueError(f"invalid case {self}")
+        if self.reduction not in ("ddp", "exact"):
+            raise ValueError(f"invalid case {self}: reduction must be 'ddp' or 'exact'")
 
     @property
     def label(self) -> str:
@@ -74,6 +77,7 @@ class GpuCase:
         parts += ["bf16 masters"] * (self.master_dtype == "bf16")
         parts += ["gathers waited in the step"] * (not self.overlap_allgather)
         parts += ["head read outside its module"] * self.head_outside
+        parts += ["exact reduction"] * (self.reduction == "exact")
         return ", ".join(parts)
 
 
@@ -92,6 +96,8 @@ class RankRun:
     host_tensors_saved: int  # tensors that reached the checkpoint writer (all on the host)
     exported_states: int  # state entries of the full optimizer state dict (rank 0)
     syncs: list[dict[str, int]]  # per step: host syncs per phase (forward, backward, step, gather)
+    kernels: list[tuple[bool, bool]]  # per inner group after construction: (fused, foreach)
+    checks: int  # verify steps the integrity checker took
 
 
 @dataclass
@@ -186,8 +192,8 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
     with world as record, FakeTensorMode(), checker, dev.use_ops(ops), _checked_writer(saved):
         model = fake_storage(model, device)
         params = [p for p in model.parameters() if p.requires_grad]
-        if case.partition == "rows":
-            inner = ModalAdamW(params, lr=1e-3, weight_decay=0.1)
+        if case.partition == "rows":  # exact mode asks for the fused kernel: kept on a GPU (exact/kernels.py)
+            inner = ModalAdamW(params, lr=1e-3, weight_decay=0.1, fused=case.reduction == "exact" or None)
         else:
             inner = torch.optim.Adafactor(params, lr=1e-2)
         config = ZeroConfig(
@@ -198,8 +204,11 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
             reduce_bucket_mb=0.004,  # several buckets, launched while backward runs
             clip_grad_norm=1.0,
             overlap_allgather=case.overlap_allgather,
+            reduction=case.reduction,
+            verify_every=1,  # every step checks its reductions and replicas (no host sync in the hooks)
         )
         opt = LowLevelZeroOptimizer(model, inner, config)
+        kernels = [(bool(g.get("fused")), bool(g.get("foreach"))) for g in opt.optim.param_groups]
         ids = torch.zeros(4, 9, dtype=torch.long, device=device)
         stager = None
         syncs = []
@@ -208,11 +217,12 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
             checker.sync_sites.clear()
             for micro in range(case.accumulation):
                 last = micro == case.accumulation - 1
-                local = opt.no_sync() if case.stage == 1 and not last else contextlib.nullcontext()
+                exact = case.reduction == "exact"  # every micro-batch reduced, each its own loss
+                local = opt.no_sync() if case.stage == 1 and not last and not exact else contextlib.nullcontext()
                 with local:
                     with ops.phase("forward"):
                         use_branch = not case.unused or rank % 2 == 0
-                        loss = model(ids, use_branch, case.head_outside) / case.accumulation
+                        loss = model(ids, use_branch, case.head_outside) / (1 if exact else case.accumulation)
                     with ops.phase("backward"):
                         opt.backward(loss)
             with ops.phase("step"):
@@ -246,6 +256,8 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
         host_tensors_saved=len(saved),
         exported_states=len(exported["state"]) if exported is not None else 0,
         syncs=syncs,
+        kernels=kernels,
+        checks=opt.integrity.checks,
     )
 
 
@@ -294,7 +306,8 @@ def check_cases(cases: list[GpuCase]) -> list[CaseResult]:
 
 def default_cases() -> list[GpuCase]:
     """Stages 1 and 2 at W=2 and 4, with offload, fp16/bf16/fp32, accumulation, unused params,
-    whole-parameter ownership, bf16 masters, and the all-gathers waited in the step or left in flight."""
+    whole-parameter ownership, bf16 masters, and the all-gathers waited in the step or left in flight;
+    exact reduction (int64 sums): row shards at W=2 and 4, whole params and stage 1 with fp16 at W=4."""
     cases = []
     for world_size in (2, 4):
         cases += [
@@ -305,5 +318,10 @@ def default_cases() -> list[GpuCase]:
             GpuCase(world_size, stage=2, dtype="bf16", offload=True, unused=True),
             GpuCase(world_size, stage=2, dtype="bf16", partition="params", accumulation=2),
             GpuCase(world_size, stage=1, dtype="bf16", offload=True, partition="params", master_dtype="bf16"),
+            GpuCase(world_size, stage=2, dtype="bf16", accumulation=2, reduction="exact"),
         ]
+    cases += [
+        GpuCase(4, stage=2, dtype="fp32", partition="params", unused=True, reduction="exact"),
+        GpuCase(4, stage=1, dtype="fp16", accumulation=3, unused=True, reduction="exact"),
+    ]
     return cases

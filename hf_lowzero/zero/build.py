@@ -87,15 +87,14 @@ def build_parts(
     pool = BufferPool()  # communication scratch shared by the reduce-scatters and all-gathers
     integrity = IntegrityChecker(
         buckets, hashed_tensors(model), comm_dtype=config.communication_dtype, every=config.verify_every,
-        on_mismatch=config.on_mismatch, shard=shard,
+        on_mismatch=config.on_mismatch, shard=shard, exact=config.reduction == "exact",
     )  # fmt: skip
     store = make_grad_store(buckets, offload=offload, pin_memory=pin, shard=shard)
-    exact = config.reduction == "exact"  # [Note: exact reduction]; replicas are still hashed, not sums
+    exact = config.reduction == "exact"  # [Note: exact reduction]; checked by exact checksums
     if exact:
         use_row_invariant_kernels(optimizer, partition, device)  # exact/kernels.py
         reducer = ExactReducer(
-            buckets, stage=config.stage, store=store, pool=pool, params=len(slots), shard=shard,
-            verifying=integrity.enabled,
+            buckets, stage=config.stage, store=store, pool=pool, params=len(slots), shard=shard, tap=integrity,
         )  # fmt: skip
     else:
         reducer = BucketReducer(

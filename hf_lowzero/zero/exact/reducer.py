@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import Counter
 
@@ -26,7 +25,7 @@ from torch.profiler import record_function
 from hf_lowzero.zero.exact.grid import Grid
 from hf_lowzero.zero.exact.segments import Segments
 from hf_lowzero.zero.grads.grad_store import DeviceGradStore
-from hf_lowzero.zero.grads.reducer import NO_TAP, BucketReducer
+from hf_lowzero.zero.grads.reducer import NO_TAP, BucketReducer, ReductionTap
 from hf_lowzero.zero.layout.buckets import Bucket, Reduction
 from hf_lowzero.zero.layout.packing import bucket_view, pack_bucket
 from hf_lowzero.zero.runtime import comm
@@ -35,13 +34,12 @@ from hf_lowzero.zero.runtime.memory import bytes_by_device, same_memory
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 SUM_DTYPE = torch.int64
-logger = logging.getLogger(__name__)
 
 
 class ExactReducer(BucketReducer):
     """Reduces buckets into this rank's int64 accumulator (see the module docstring).
 
-    ``verifying``: integrity checks are on (they hash replicas; this reducer takes no checksums).
+    ``tap``: sees each int64 bucket packed and reduced (the integrity checks' exact checksums).
     ``average``: the step divides the exact sums by the number of contributions (backwards, over all
     ranks): the mean, for losses that are each micro-batch's own. False: no division, for losses
     already normalized over the whole step (the Trainer's token-count normalization).
@@ -56,14 +54,9 @@ class ExactReducer(BucketReducer):
         pool: BufferPool,
         params: int,
         shard: ShardGroup,
-        verifying: bool = False,
+        tap: ReductionTap = NO_TAP,
     ) -> None:
-        super().__init__(buckets, comm_dtype=None, stage=stage, store=store, pool=pool, tap=NO_TAP, shard=shard)
-        if verifying:
-            logger.info(
-                "[hf_lowzero] reduction='exact': integrity checks compare the replicas only; the reductions' "
-                "random-sign checksums are float sums and are not taken on int64 buckets"
-            )
+        super().__init__(buckets, comm_dtype=None, stage=stage, store=store, pool=pool, tap=tap, shard=shard)
         self.allows_no_sync = False
         self.no_sync_refusal = (
             "no_sync() is not available with reduction='exact': each micro-batch's gradient must be rounded "
@@ -130,12 +123,15 @@ class ExactReducer(BucketReducer):
         self.pool.give(values)
         if self.shard.world_size == 1:
             return Reduction(bucket, None, quantized, tuple(taken))
+        self.tap.after_pack(bucket, quantized)  # the int64 values sent ([Note: exact checksums] in integrity/)
         return self.start(bucket, quantized, direct, taken)
 
     def finish(self, reduction: Reduction) -> None:
         bucket = reduction.bucket
         with record_function("hf_lowzero::reduce_wait"):
             comm.wait(reduction.work)
+        if self.shard.world_size > 1:
+            self.tap.after_reduce(bucket, reduction.out)  # this micro-batch's int64 sums, before accumulating
         sums = self.accumulator(bucket)
         if not same_memory(reduction.out, sums):
             sums.add_(reduction.out) if self.holds[bucket.index] else sums.copy_(reduction.out)

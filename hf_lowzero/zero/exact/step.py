@@ -23,6 +23,7 @@ import logging
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import record_function
 
 from hf_lowzero.zero.exact.grid import square_exponents
@@ -30,6 +31,7 @@ from hf_lowzero.zero.exact.reducer import ExactReducer
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.step import StepVerdict
 
@@ -44,7 +46,8 @@ class ExactStepStats:
         self.names = [slot.name for slot in slots]
         self.numels = [slot.shard.numel for slot in slots]
         self.world_size, self.rank = shard.world_size, shard.rank
-        self.host = torch.zeros(0)  # no page-locked buffer (the memory report lists it)
+        # the step's flags (stale reads, used), page-locked on a GPU: sent without a host sync
+        self.host = dev.host_buffer(1 + len(slots), torch.float64, pin=dev.is_cuda(shard.device))
         self.last_skip: str | None = None  # why the newest decision skipped the step
 
     def decide(
@@ -79,8 +82,9 @@ class ExactStepStats:
                 square_exps = square_exponents(_converted(sum_max, factors), self.numels)
                 for bucket in held:
                     self._convert(bucket, factors, square_exps, squares)
-        flags = torch.cat([torch.tensor([float(stale_reads)]), used.to(torch.float64)])
-        stats = torch.cat([squares, flags.to(self.device)])
+        self.host[0] = float(stale_reads)  # the last step's copy of it is done: its results were read
+        self.host[1:].copy_(used)
+        stats = torch.cat([squares, self.host.to(self.device, non_blocking=True)])
         comm.all_reduce(stats, self.group)
         back = (stats if extra is None else torch.cat([stats, extra.reshape(-1)])).cpu()
         self.last_skip = self._skip_text(overflowed, contribution_max) if overflowed else None
@@ -89,7 +93,8 @@ class ExactStepStats:
         else:
             norm = math.sqrt(math.fsum(math.ldexp(s, -t) for s, t in zip(back[:n].tolist(), square_exps)))
         extra_back = None if extra is None else back[2 * n + 1 :]
-        return StepVerdict(norm, back[n + 1 : 2 * n + 1] > 0, int(back[n].item()), extra_back)
+        stale_reads = 0 if is_fake(back) else int(back[n].item())  # a simulation checks reads itself
+        return StepVerdict(norm, back[n + 1 : 2 * n + 1] > 0, stale_reads, extra_back)
 
     def _convert(self, bucket: Bucket, factors: list[float], square_exps: list[int], squares: torch.Tensor) -> None:
         """``bucket``'s int64 sums -> its fp32 gradient rows, once; its params' rounded squares into ``squares``."""

@@ -47,6 +47,8 @@ Example::
 #   the bound is wider (u = 2^-8), so 16-bit reductions use 8 probes instead of 2. The residual
 #   against each rank's dots names the rank whose contribution explains it (dropped: -its dot,
 #   doubled: +its dot); one no rank explains is corruption of the owner's rows.
+# - Exact reductions (``reduction="exact"``: int64 sums) are checked by int64 checksums instead,
+#   compared without any bound ([Note: exact checksums] in exact_sums.py).
 # - Non-finite local gradients show as non-finite dots: they name their rank and parameter before
 #   the reduction mixes them into every rank's rows (the step is then skipped, as always).
 # - No host sync in the hooks: what the host needs is planned when the checker is made, and the
@@ -75,8 +77,10 @@ from hf_lowzero.zero.integrity.checksums import (
     SegmentPlan,
     bound_factors,
     bucket_plans,
+    hash_weights,
     sign_table,
 )
+from hf_lowzero.zero.integrity.exact_sums import PROBES, SumPlan, exact_plans
 from hf_lowzero.zero.integrity.verdict import Finding, Judged, judge, summary
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.params import canonical_name
@@ -136,21 +140,23 @@ class _Record:
     local: torch.Tensor  # [W * m * P + W * m] float64: dots per (destination, param, probe), norms
     shift: int  # where the signs start (the step and the reduction's place in it: the same on every rank)
     own: torch.Tensor | None = None  # [m * P] float64: dots of the reduced rows
+    # exact: [W * m * P] and [m * P] int64 checksums, as float64 words ([Note: exact checksums])
 
 
 @dataclass(frozen=True, eq=False)
 class _BucketChecks:
     """What a bucket's checks need, made once: its plans, and what judging it needs."""
 
-    local: SegmentPlan  # the packed bucket
-    own: SegmentPlan  # this rank's reduced chunk
+    local: SegmentPlan | SumPlan  # the packed bucket (SumPlan: an exact reduction's int64)
+    own: SegmentPlan | SumPlan  # this rank's reduced chunk
     judged: Judged
 
 
 class IntegrityChecker:
     """See the module docstring. ``tensors``: what the replica check hashes, ``(name, tensor)``:
     every param and persistent buffer (``hashed_tensors``). A ``ReductionTap`` of the reducer
-    (``after_pack``, ``after_reduce``).
+    (``after_pack``, ``after_reduce``). ``exact``: the reductions are ``reduction="exact"``'s int64
+    sums, checked by exact checksums ([Note: exact checksums] in ``exact_sums.py``).
     """
 
     def __init__(
@@ -162,9 +168,11 @@ class IntegrityChecker:
         every: int | str,
         on_mismatch: str,
         shard: ShardGroup,
+        exact: bool = False,
     ) -> None:
         self.buckets = buckets
         self.comm_dtype = comm_dtype
+        self.exact = exact
         self.shard = shard
         self.every = check_verify_every(every)
         self.on_mismatch = on_mismatch
@@ -190,17 +198,23 @@ class IntegrityChecker:
         self.last_nonfinite: list[tuple[int, str]] = []  # (rank, parameter) of the newest verify step
         if self.enabled:  # everything the hooks need, made here: they read nothing back from the device
             self._checks = [self._bucket_checks(bucket) for bucket in buckets]
-            self._signs = sign_table(max((c.judged.probes for c in self._checks), default=2), shard.device)
-            self._scratch = torch.empty(SCRATCH, dtype=torch.float64, device=shard.device)
+            if exact:
+                self._weights = hash_weights(shard.device)
+            else:
+                self._signs = sign_table(max((c.judged.probes for c in self._checks), default=2), shard.device)
+                self._scratch = torch.empty(SCRATCH, dtype=torch.float64, device=shard.device)
             self._replicas = ReplicaHashes(tensors)
 
     def _bucket_checks(self, bucket: Bucket) -> _BucketChecks:
+        names = tuple(s.name for s in bucket.slots)
+        if self.exact:
+            local, own = exact_plans(bucket, shard=self.shard)
+            return _BucketChecks(local, own, Judged(bucket.index, names, PROBES, None, exact=True))
         dtype = self.comm_dtype or bucket.dtype
         local, own = bucket_plans(bucket, shard=self.shard)
         factors = bound_factors(
             bucket, world_size=self.shard.world_size, unit_roundoff=torch.finfo(dtype).eps / 2, sigmas=SIGMAS
         )
-        names = tuple(s.name for s in bucket.slots)
         return _BucketChecks(local, own, Judged(bucket.index, names, 2 if dtype == torch.float32 else 8, factors))
 
     # ------------------------------------------------------------------------ the schedule
@@ -242,10 +256,13 @@ class IntegrityChecker:
             start = time.perf_counter()
             checks = self._checks[bucket.index]
             shift = _shift(self.step, len(self._records))
-            dots, norms = checks.local.sums(flat, self._signs, checks.judged.probes, shift, self._scratch)
-            local = torch.cat([dots.flatten(), norms])
-            if not divided:  # W is a power of two there: exact in float64, as the collective's scaling is
-                local.mul_(1.0 / self.shard.world_size)
+            if self.exact:  # int64 words carried as float64 through the gather, compared bit for bit
+                local = checks.local.checksums(flat, self._weights).view(torch.float64).flatten()
+            else:
+                dots, norms = checks.local.sums(flat, self._signs, checks.judged.probes, shift, self._scratch)
+                local = torch.cat([dots.flatten(), norms])
+                if not divided:  # W is a power of two there: exact in float64, as the collective's scaling is
+                    local.mul_(1.0 / self.shard.world_size)
             record = _Record(bucket, local, shift)
             self._records.append(record)
             self._pending[bucket.index] = record
@@ -261,9 +278,12 @@ class IntegrityChecker:
         if record is not None:
             start = time.perf_counter()
             checks = self._checks[bucket.index]
-            probes = checks.judged.probes
-            dots, _ = checks.own.sums(rows, self._signs, probes, record.shift, self._scratch, norms=False)
-            record.own = dots.flatten()
+            if self.exact:
+                record.own = checks.own.checksums(rows, self._weights).view(torch.float64).flatten()
+            else:
+                probes = checks.judged.probes
+                dots, _ = checks.own.sums(rows, self._signs, probes, record.shift, self._scratch, norms=False)
+                record.own = dots.flatten()
             self._spent += time.perf_counter() - start
 
     # ------------------------------------------------------------------------ the verdict

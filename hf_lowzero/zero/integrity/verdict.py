@@ -34,20 +34,23 @@ class Finding:
 class Judged:
     """What judging one reduced bucket needs: its index, param names (packing order), probes, and
     per owner and param the factor of the sources' summed L2 norms that bounds the residual
-    (``checksums.bound_factors``)."""
+    (``checksums.bound_factors``); with ``exact`` (int64 checksums: [Note: exact checksums] in
+    ``exact_sums.py``) no norms and no bound: the residual must be zero."""
 
     index: int
     names: tuple[str, ...]
     probes: int
-    factors: torch.Tensor  # [W, m] float64, on the host
+    factors: torch.Tensor | None  # [W, m] float64, on the host; None with exact
+    exact: bool = False
 
 
 def judge(
     table: torch.Tensor, step: int, *, world_size: int, buckets: list[Judged], tensor_names: list[str]
 ) -> Finding:
     """Judge a verify step's ``table`` (``[W, n]`` float64 on the host: each rank's row is, per
-    reduced bucket in ``buckets``' order, its dots per destination, param and probe and their norms;
-    then per bucket the owner's dots; then two int64 words per hashed tensor; then one number).
+    reduced bucket in ``buckets``' order, its dots per destination, param and probe and their norms
+    (exact: its int64 checksums per destination, param and probe, as float64 words); then per bucket
+    the owner's dots (or checksums); then two int64 words per hashed tensor; then one number).
     """
     finding = Finding(step)
     world, offset = world_size, 0
@@ -55,13 +58,16 @@ def judge(
     for bucket in buckets:
         m, p = len(bucket.names), bucket.probes
         sizes.append((bucket, m, p, offset))
-        offset += world * m * p + world * m
+        offset += world * m * p + (0 if bucket.exact else world * m)
     own_at = offset
     for bucket, m, p, start in sizes:
         dots = table[:, start : start + world * m * p].reshape(world, world, m, p)  # [src, dst, param, probe]
-        norms = table[:, start + world * m * p : start + world * m * p + world * m].reshape(world, world, m)
         own = table[:, own_at : own_at + m * p].reshape(world, m, p)  # [owner, param, probe]
         own_at += m * p
+        if bucket.exact:
+            _judge_exact(finding, bucket, _words(dots), _words(own))
+            continue
+        norms = table[:, start + world * m * p : start + world * m * p + world * m].reshape(world, world, m)
         _judge_bucket(finding, bucket, dots, norms, own)
     _judge_replicas(finding, table[:, own_at:-1].contiguous(), tensor_names)
     return finding
@@ -79,21 +85,42 @@ def _judge_bucket(finding: Finding, bucket: Judged, dots, norms, own) -> None:
         _explain(finding, bucket, owner, j, residual[owner, j], dots[:, owner, j], bound[owner, j].item())
 
 
-def _explain(finding: Finding, bucket: Judged, owner: int, j: int, residual, sent, bound: float) -> None:
-    """Name the rank whose contribution explains ``residual``, or the owner's rows."""
+def _words(numbers: torch.Tensor) -> torch.Tensor:
+    """Float64 words of the table that hold int64 checksums, as those."""
+    return numbers.contiguous().view(torch.int64)
+
+
+def _judge_exact(finding: Finding, bucket: Judged, sent, own) -> None:
+    """[Note: exact checksums]: the owner's checksums must equal the sum of the sources', bit for bit
+    (``sent``: ``[src, dst, param, probe]``, ``own``: ``[owner, param, probe]``, int64, wrapping)."""
+    residual = own - sent.sum(0)  # [owner, param, probe]
+    for j, owner in (residual != 0).any(2).T.nonzero().tolist():
+        _explain(finding, bucket, owner, j, residual[owner, j], sent[:, owner, j], None)
+
+
+def _explain(finding: Finding, bucket: Judged, owner: int, j: int, residual, sent, bound: float | None) -> None:
+    """Name the rank whose contribution explains ``residual``, or the owner's rows; ``bound``: the
+    float bound, or None where the residual must be exactly zero ([Note: exact checksums])."""
+
+    def explained(difference: torch.Tensor) -> bool:
+        return bool((difference == 0).all()) if bound is None else difference.abs().max().item() <= 2 * bound
+
     what = None
     for src in range(sent.shape[0]):
-        if (residual + sent[src]).abs().max().item() <= 2 * bound:
+        if explained(residual + sent[src]):
             what, rank = f"rank {src}'s contribution was dropped", src
             break
-        if (residual - sent[src]).abs().max().item() <= 2 * bound:
+        if explained(residual - sent[src]):
             what, rank = f"rank {src}'s contribution was doubled", src
             break
     if what is None:
         what, rank = f"rank {owner}'s reduced rows differ from the sum the ranks sent (corrupted)", owner
+    if bound is None:
+        size = f"int64 checksums off by {residual.tolist()} (exact: no tolerance)"
+    else:
+        size = f"residual {residual.abs().max().item():.3g} against a bound of {bound:.3g}"
     finding.mismatches.append(
-        f"bucket {bucket.index}, parameter {bucket.names[j]!r} (rows of rank {owner}): {what}; residual "
-        f"{residual.abs().max().item():.3g} against a bound of {bound:.3g}"
+        f"bucket {bucket.index}, parameter {bucket.names[j]!r} (rows of rank {owner}): {what}; {size}"
     )
     finding.groups.append((bucket.index, what))
     finding.ranks.append(rank)
