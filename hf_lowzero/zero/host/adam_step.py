@@ -23,6 +23,8 @@ Example::
 #
 # Chunks are buckets, in the order the gather issues them: after the kernel finished a chunk,
 # ``after_chunk(bucket index)`` starts its copy to the device while the host steps the next.
+# On fake tensors (a simulation of the GPU path) torch's own fused ops do the kernel's work
+# (``TorchFusedKernel``): the same reads and writes, chunk by chunk, for the simulation to check.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim import optimizer as torch_optimizer
 
-from hf_lowzero.zero.host.kernel import AdamHyper, AdamTensors, HostAdamKernel, host_kernel
+from hf_lowzero.zero.host.kernel import AdamHyper, AdamTensors, HostAdamKernel, TorchFusedKernel, host_kernel
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.packing import piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
@@ -80,7 +82,7 @@ class HostAdamStep:
 
     def why_not(self) -> str | None:
         """Why this step must be torch's own, or None when ours computes the same bits."""
-        if isinstance(self.kernel, native.NativeUnavailable):
+        if isinstance(self.kernel, native.NativeUnavailable) and not self._simulated():
             return self.kernel.why
         optimizer = self.optimizer
         if type(optimizer) not in STEPPED_BY_US:
@@ -96,12 +98,17 @@ class HostAdamStep:
         grads = {p.grad.dtype for chunk in self.chunks for p in chunk.params if p.grad is not None}
         if len(grads) > 1 or not grads <= set(GRAD_DTYPES):
             return f"gradients of dtypes {sorted(map(str, grads))}"
+        fake = self._simulated()
         for chunk in self.chunks:
             for param in chunk.params:
-                why = _tensor_problem(param, optimizer.state.get(param))
+                why = _tensor_problem(param, optimizer.state.get(param), fake)
                 if why:
                     return why
         return None
+
+    def _simulated(self) -> bool:
+        """Whether the rows are fake tensors: a simulation of the step, which ``TorchFusedKernel`` runs."""
+        return any(is_fake(chunk.params[0]) for chunk in self.chunks if chunk.params)
 
     def step(self, after_chunk: Callable[[int], None] | None = None) -> bool:
         """One step of the inner optimizer with our kernel, or False (nothing done) where it must be
@@ -118,13 +125,14 @@ class HostAdamStep:
                 hyper_of[param] = hyper
         grad_scale = getattr(self.optimizer, "grad_scale", None)
         threads = torch.get_num_threads()
+        kernel = TorchFusedKernel() if self._simulated() else self.kernel
         if self.copy is not None:
             self.copy.fresh = True  # each chunk's part is written before after_chunk reads it
         for chunk in self.chunks:
             tensors = [self._tensors(p, chunk.outs[i] if chunk.outs else None) for i, p in enumerate(chunk.params)]
             chosen = [(t, hyper_of[p]) for t, p in zip(tensors, chunk.params) if t is not None]
             if chosen:
-                self.kernel.step([t for t, _ in chosen], [h for _, h in chosen], grad_scale=grad_scale, threads=threads)
+                kernel.step([t for t, _ in chosen], [h for _, h in chosen], grad_scale=grad_scale, threads=threads)
             if after_chunk is not None:
                 after_chunk(chunk.bucket_index)
         self.last_path = "ours"
@@ -156,26 +164,25 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     return bool(own or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
-def _is_plain(tensor: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...], numel: int) -> bool:
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    return (
-        tensor.device.type == "cpu" and tensor.dtype in dtypes and tensor.numel() == numel
-        and tensor.is_contiguous() and not is_fake(tensor) and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-    )  # fmt: skip
-
-
-def _tensor_problem(param: torch.Tensor, state: dict | None) -> str | None:
+def _tensor_problem(param: torch.Tensor, state: dict | None, fake: bool) -> str | None:
     numel = param.numel()
-    if not _is_plain(param, torch.float32, numel):
+
+    def plain(tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...], count: int) -> bool:
+        kind = is_fake(tensor) if fake else type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        return kind and tensor.device.type == "cpu" and tensor.dtype in dtypes and tensor.numel() == count and (
+            tensor.is_contiguous()
+        )  # fmt: skip
+
+    if not plain(param, (torch.float32,), numel):
         return "an inner param is not a contiguous fp32 host tensor"
-    if param.grad is not None and not _is_plain(param.grad, GRAD_DTYPES, numel):
+    if param.grad is not None and not plain(param.grad, GRAD_DTYPES, numel):
         return "a gradient is not a contiguous host tensor of the param's size"
     if state:
         step = state.get("step")
-        if step is None or not _is_plain(step, torch.float32, 1) or step.dim() != 0:
+        if step is None or not plain(step, (torch.float32,), 1) or step.dim() != 0:
             return "a param's state has no float32 scalar step tensor"
         for key in ("exp_avg", "exp_avg_sq"):
-            if key not in state or not _is_plain(state[key], torch.float32, numel):
+            if key not in state or not plain(state[key], (torch.float32,), numel):
                 return f"a param's {key} is not a contiguous fp32 host tensor"
     return None
 
@@ -202,5 +209,10 @@ def make_host_step(
         held = [(slot, inner_params[slot.index]) for slot in bucket.slots if inner_params[slot.index] is not None]
         outs = tuple(piece_view(copy.flat, slot).view(p.shape) for slot, p in held) if copy else None
         chunks.append(Chunk(bucket.index, tuple(p for _, p in held), outs))
-    kernel = host_kernel() if type(optimizer) in STEPPED_BY_US else native.NativeUnavailable("not Adam or AdamW")
+    if type(optimizer) not in STEPPED_BY_US:
+        kernel = native.NativeUnavailable("not Adam or AdamW")
+    elif is_fake(flat):  # a simulation: nothing to compile or probe ([Note: our kernel in torch's place])
+        kernel = native.NativeUnavailable("fake tensors")
+    else:
+        kernel = host_kernel()
     return HostAdamStep(optimizer, chunks, kernel=kernel, copy=copy)

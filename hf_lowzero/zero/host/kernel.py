@@ -133,6 +133,30 @@ class HostAdamKernel:
         )  # fmt: skip
 
 
+class TorchFusedKernel:
+    """The same step through torch's own fused ops (``torch._fused_adam_``/``_fused_adamw_``), for
+    tensors our kernel cannot read: fake tensors, when a simulation runs the real step on fake GPUs
+    (``hf_lowzero.simulation``). It reads and writes what ours does, chunk by chunk, so the
+    simulation checks the same order of host writes and copies; the 16-bit copy is a cast."""
+
+    def step(self, tensors: list[AdamTensors], hyper: list[AdamHyper], *, grad_scale, threads: int) -> int:
+        stepped = [(t, h) for t, h in zip(tensors, hyper) if t.grad is not None]
+        for same in dict.fromkeys(h for _, h in stepped):
+            group = [t for t, h in stepped if h == same]
+            torch._foreach_add_([t.step for t in group], 1)
+            fused = torch._fused_adamw_ if same.decoupled else torch._fused_adam_
+            fused(
+                [t.param for t in group], [t.grad.float() for t in group], [t.exp_avg for t in group],
+                [t.exp_avg_sq for t in group], [], [t.step for t in group], lr=same.lr, beta1=same.betas[0],
+                beta2=same.betas[1], weight_decay=same.weight_decay, eps=same.eps, amsgrad=False, maximize=False,
+                grad_scale=grad_scale, found_inf=None,
+            )  # fmt: skip
+        for t in tensors:
+            if t.out is not None:
+                t.out.copy_(t.param)
+        return sum(t.param.numel() for t, _ in stepped)
+
+
 _kernel: list[HostAdamKernel | native.NativeUnavailable] = []
 
 
