@@ -67,7 +67,9 @@ class ParamCopy:
 
 
 class HostAdamStep:
-    """Steps the inner ``optimizer``'s params with our kernel ([Note: our kernel in torch's place])."""
+    """Steps the inner ``optimizer``'s params with our kernel ([Note: our kernel in torch's place]).
+    ``copy``, where kept, costs 2 bytes per row element of host memory (pinned for CUDA params);
+    ``memory_report()`` counts it with the master rows."""
 
     def __init__(
         self,
@@ -120,7 +122,7 @@ class HostAdamStep:
             return False
         hyper_of = {}
         for group in self.optimizer.param_groups:
-            hyper = _hyper(group)
+            hyper = _hyper(group, type(self.optimizer) is torch.optim.AdamW)
             for param in group["params"]:
                 hyper_of[param] = hyper
         grad_scale = getattr(self.optimizer, "grad_scale", None)
@@ -151,11 +153,12 @@ class HostAdamStep:
         return AdamTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], out)
 
 
-def _hyper(group: dict) -> AdamHyper:
+def _hyper(group: dict, adamw: bool) -> AdamHyper:
     beta1, beta2 = group["betas"]
+    decoupled = adamw or bool(group.get("decoupled_weight_decay"))  # older torch: AdamW's groups lack the key
     return AdamHyper(
         lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]), decoupled=bool(group.get("decoupled_weight_decay")),
+        weight_decay=float(group["weight_decay"]), decoupled=decoupled,
     )  # fmt: skip
 
 
@@ -204,6 +207,7 @@ def make_host_step(
     covered = sum(p.numel() for p in inner_params if p is not None) == flat.numel()
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
     keep = covered and dtype in (torch.bfloat16, torch.float16) and flat.dtype == torch.float32
+    keep = keep and type(optimizer) in STEPPED_BY_US  # 2 bytes per row element: only where ours may run
     copy = ParamCopy(dev.host_buffer(flat.numel(), dtype, pin)) if keep else None
     for bucket in reversed(buckets):
         held = [(slot, inner_params[slot.index]) for slot in bucket.slots if inner_params[slot.index] is not None]
