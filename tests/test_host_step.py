@@ -90,3 +90,32 @@ def test_our_host_kernel_steps_as_todays_offload_path(world_size):
     if isinstance(kernel, native.NativeUnavailable):
         pytest.skip(kernel.why)
     run_distributed(parity_body, world_size)
+
+
+def fallback_body(rank, world_size):
+    """Where ours would not be exact, torch's step runs, as before: SGD gets no host step of ours
+    at all; amsgrad, a foreach group and a step hook are told apart at every step."""
+    model = BranchyNet(0)
+    opt = LowLevelZeroOptimizer(model, torch.optim.SGD(param_groups(model), lr=0.1), offload_optimizer=True)
+    assert opt.host_step.why_not() == "not Adam or AdamW" and opt.host_step.copy is None
+    for make, why in (
+        (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad"),
+        (lambda ps: torch.optim.AdamW(ps, foreach=True), "not fused"),
+    ):
+        model = BranchyNet(0)
+        opt = LowLevelZeroOptimizer(model, make(param_groups(model)), offload_optimizer=True)
+        train_step(model, opt, rank, 0, torch.float32)
+        assert opt.host_step.last_path == "torch" and why in opt.host_step.why_not(), why
+        assert all(s["step"].item() == 1 for s in opt.optim.state.values())  # torch's step ran
+    model = BranchyNet(0)
+    opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(param_groups(model)), offload_optimizer=True)
+    train_step(model, opt, rank, 0, torch.float32)
+    assert opt.host_step.last_path == "ours"
+    hook = torch_path(opt)
+    assert "step hooks" in opt.host_step.why_not()
+    hook.remove()
+    assert opt.host_step.why_not() is None
+
+
+def test_where_ours_would_not_be_exact_torchs_step_runs():
+    run_distributed(fallback_body, 1)
