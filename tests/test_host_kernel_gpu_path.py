@@ -40,6 +40,9 @@ def _fake_gpu_runs(cases) -> dict:
     with plain, spies, spies_upload:
         results = check_cases(cases)
     syncs = {result.case.label: [run.syncs[-1] for run in result.runs] for result in results}
+    pinned = {
+        result.case.label: [(run.pinned_reported, run.optimizer_pinned) for run in result.runs] for result in results
+    }
 
     def eager_upload(self, bucket_index):  # every bucket's rows sent at the first bucket's end
         for index in range(len(self.buckets)):
@@ -52,7 +55,7 @@ def _fake_gpu_runs(cases) -> dict:
         undone = "passed"
     except RaceError as error:
         undone = f"{type(error).__name__}: {error}"
-    return {"syncs": syncs, "taken": taken, "uploads": uploads, "undone": undone}
+    return {"syncs": syncs, "pinned": pinned, "taken": taken, "uploads": uploads, "undone": undone}
 
 
 FAST = [
@@ -70,6 +73,13 @@ def test_every_offloaded_step_takes_our_kernel_and_sends_rows_bucket_by_bucket(r
     assert runs["taken"] and all(ours for ours, _ in runs["taken"])
     assert {copy for _, copy in runs["taken"]} == {True, False}  # 16-bit params: the kernel writes their copy
     assert max(runs["uploads"]) > 0  # a bucket's rows left while later buckets were still being stepped
+
+
+def test_the_kernels_16bit_copy_is_pinned_and_reported(runs):
+    """``memory_report().pinned`` counts the pinned bytes allocated, the kernel's 16-bit copy included."""
+    for label, per_rank in runs["pinned"].items():
+        for reported, allocated in per_rank:
+            assert reported == allocated, label
 
 
 def test_the_step_syncs_the_host_at_most_twice_and_backward_never(runs):
