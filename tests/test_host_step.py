@@ -115,6 +115,11 @@ def fallback_body(rank, world_size):
     assert "step hooks" in opt.host_step.why_not()
     hook.remove()
     assert opt.host_step.why_not() is None
+    state = next(iter(opt.optim.state.values()))
+    state["step"] = state["step"].double()  # a state tensor replaced (a load): checked again
+    assert "float32 scalar step" in opt.host_step.why_not()
+    state["step"] = state["step"].float()
+    assert opt.host_step.why_not() is None
 
 
 def test_where_ours_would_not_be_exact_torchs_step_runs():

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ from hf_lowzero.zero.runtime import native
 STEPPED_BY_US: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 OFF_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,6 +83,7 @@ class HostAdamStep:
     ) -> None:
         self.optimizer, self.chunks, self.kernel, self.copy = optimizer, chunks, kernel, copy
         self.last_path = "torch"  # which path the last step took: "ours" or "torch" (for tests, benchmarks)
+        self._checked: dict[int, tuple] = {}  # id(inner param) -> weak refs of the tensors last found fine
 
     def why_not(self) -> str | None:
         """Why this step must be torch's own, or None when ours computes the same bits."""
@@ -103,9 +106,14 @@ class HostAdamStep:
         fake = self._simulated()
         for chunk in self.chunks:
             for param in chunk.params:
-                why = _tensor_problem(param, optimizer.state.get(param), fake)
+                state = optimizer.state.get(param)
+                tensors = (param.grad, *(state.get(key) for key in STATE_KEYS)) if state else (param.grad,)
+                if _same(self._checked.get(id(param)), tensors):
+                    continue  # the same tensors as last time (a param's own never changes: fixed views)
+                why = _tensor_problem(param, state, fake)
                 if why:
                     return why
+                self._checked[id(param)] = tuple(None if t is None else weakref.ref(t) for t in tensors)
         return None
 
     def _simulated(self) -> bool:
@@ -151,6 +159,13 @@ class HostAdamStep:
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return AdamTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], out)
+
+
+def _same(checked: tuple | None, tensors: tuple) -> bool:
+    """Whether ``tensors`` are the very tensors ``checked`` refers to (weakly: a freed one never is)."""
+    if checked is None or len(checked) != len(tensors):
+        return False
+    return all((ref is None and t is None) or (ref is not None and ref() is t) for ref, t in zip(checked, tensors))
 
 
 def _hyper(group: dict, adamw: bool) -> AdamHyper:
