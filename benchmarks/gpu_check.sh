@@ -20,8 +20,9 @@
 #   6. benchmarks/gpu_plan.py: the memory plan against torch.cuda.max_memory_allocated, three setups;
 #   7. benchmarks/gpu_snapshot.py: a memory snapshot's side-stream copy against the step it overlaps;
 #   8. the GPU half of benchmarks/offload.py;
-#   9. benchmarks/offload_host.py on the machine's host cores: the offloaded step's host time against
-#      torch's fused CPU AdamW (and DeepSpeedCPUAdam, where it is installed), 32M rows.
+#   9. benchmarks/offload_host.py on the machine's host cores: the offloaded step's host time, with our
+#      host kernel and with torch's, against torch's fused CPU AdamW alone, our kernel alone and
+#      DeepSpeedCPUAdam (where it is installed), 32M rows.
 # Results land in benchmarks/results/gpu_* (commit them); the exit status is 1 if any step failed.
 # Each step has a time limit (seconds, second argument of `step` below), so one that hangs (a stuck
 # NCCL collective, say) fails on its own and the others still run; and no step runs past BUDGET
@@ -90,7 +91,7 @@ fi
 step plan 60 python benchmarks/gpu_plan.py
 step snapshot 60 python benchmarks/gpu_snapshot.py
 step offload 240 python benchmarks/offload.py --gpu-only
-step offload_host 90 python benchmarks/offload_host.py --numel 32e6 --rounds 5 --name gpu_offload_host
+step offload_host 120 python benchmarks/offload_host.py --numel 32e6 --rounds 3 --name gpu_offload_host
 
 if ((${#failed[@]})); then
     echo "failed: ${failed[*]}"

@@ -4,22 +4,33 @@
     python benchmarks/offload_host.py --numel 8e6 --rounds 5
     python benchmarks/offload_host.py --threads 1 --clock cpu   # CPU time: a machine shared with other jobs
 
-One rank (W=1, gloo, CPU): our ``LowLevelZeroOptimizer(offload_optimizer=True)`` with AdamW (its
-host kernel left open, so the fused CPU one), for fp32 and bf16 params, with and without clipping
-(``clip_grad_norm=1.0``; the gradients are far larger, so every step clips). Against it, on fp32
-rows of the same shapes: torch's fused CPU AdamW alone (``torch.optim.AdamW(fused=True)``) and,
-when DeepSpeed is installed and builds its op, ``DeepSpeedCPUAdam``. All setups are timed in one
-process, interleaved (A B C ... A B C ..., ``--rounds`` rounds of ``--steps`` steps); a round's
-time of a setup is its fastest step (the machine may be shared: the fastest is the least
-disturbed), its ratio our ``step()`` over the kernel's step in the same round. The table gives the
-median and spread of the ratios, and the backward's time beside our step's: on CPU the norm taken
-as buckets are reduced runs there ([Note: the norm before the copy]). The gradients come from a
-backward through the real hooks and buckets; on CPU the "device" is the host, so a step's time is
-everything it does on the host. Each setup then takes one profiled step: where its time goes (norm
-and decision, the inner step, the write back into the params).
+Kernels alone, on fp32 rows of the same shapes (the baseline is torch's fused CPU AdamW,
+``torch.optim.AdamW(fused=True)``): ``DeepSpeedCPUAdam`` (when DeepSpeed is installed and builds
+its op), and our kernel (``hf_lowzero/zero/host``) alone and also writing the params' bf16 copy.
 
-Writes results/offload_host.md and results/offload_host.json (``--name``: another name; the GPU
-check writes results/gpu_offload_host.*: the lent machine's host cores).
+Our step, one rank (W=1, gloo, CPU): ``LowLevelZeroOptimizer(offload_optimizer=True)``, stage 2, with
+AdamW (fused), for fp32 and bf16 params, with and without clipping (``clip_grad_norm=1.0``; the
+gradients are far larger, so every step clips), twice: with our host kernel ("ours") and with
+today's path, torch's fused kernel stepping the same host rows ("torch's step": a step hook on the
+inner optimizer sends it there). Two times per step:
+
+- **step**: the whole ``step()`` and the wait for the params. On CPU the "device" is the host, so
+  this includes work a GPU does: writing the updated rows into the params (at W=1 the gather is that
+  copy: on a GPU a copy on the device) and, for torch's step with bf16 params, the cast to bf16
+  (on a GPU it runs on the device).
+- **host**: the step less the time in ``ParamGather.issue`` (the gather: on a GPU, copies and
+  device work issued asynchronously). What is left is what the host must do per step on a GPU
+  machine: the skip/clip decision, the inner step (our kernel writes the bf16 copy inside it).
+  The norm is taken during backward ([Note: the norm before the copy]), so it is in neither.
+
+All setups are timed in one process, interleaved (A B C ... A B C ..., ``--rounds`` rounds of
+``--steps`` steps); a round's time of a setup is its fastest step (the machine may be shared: the
+fastest is the least disturbed), its ratio over the kernel's in the same round. The table gives the
+medians and the spread (min-max) of the ratios. Each step setup then takes one profiled step: ms in
+the decision, the inner step and the gather issue.
+
+Writes results/offload_host.md, .json and .png (``--name``: another name; the GPU check writes
+results/gpu_offload_host.*: the lent machine's host cores).
 """
 
 from __future__ import annotations
@@ -35,12 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import RESULTS, bar_plot, write_results  # noqa: E402
 from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.testing import run_distributed  # noqa: E402
+from hf_lowzero.zero.host import kernel as host  # noqa: E402
+from hf_lowzero.zero.update.allgather import ParamGather  # noqa: E402
 
 PARTS = ("hf_lowzero::grad_norm", "hf_lowzero::inner_step", "hf_lowzero::all_gather_issue")
 CLOCK = [time.perf_counter]  # --clock cpu: time.process_time, the CPU time of this rank's threads
+IN_GATHER = [0.0]  # seconds spent in ParamGather.issue since the last reset
 PART_NAMES = [part.split("::")[1] for part in PARTS]
 
 
@@ -63,19 +77,36 @@ class Rows(nn.Module):
         return sum((p * n).sum() for p, n in zip(self.ps, self.noise))
 
 
-def ours(shapes, dtype: torch.dtype, clip: float):
-    model = Rows(shapes, dtype)
-    opt = LowLevelZeroOptimizer(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-4), stage=2, offload_optimizer=True, clip_grad_norm=clip
-    )
+def timed_gather_issue():
+    """Count the time in ``ParamGather.issue`` into IN_GATHER (the gather: the device's work on a GPU)."""
+    issue = ParamGather.issue
 
-    def step() -> tuple[float, float]:
+    def timed(self, *args, **kwargs):
+        start = CLOCK[0]()
+        try:
+            return issue(self, *args, **kwargs)
+        finally:
+            IN_GATHER[0] += CLOCK[0]() - start
+
+    ParamGather.issue = timed
+
+
+def ours(shapes, dtype: torch.dtype, clip: float, torch_step: bool):
+    model = Rows(shapes, dtype)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if torch_step:  # today's path: torch's kernel steps the host rows ([Note: our kernel in torch's place])
+        inner.register_step_pre_hook(lambda *_: None)
+    opt = LowLevelZeroOptimizer(model, inner, stage=2, offload_optimizer=True, clip_grad_norm=clip)
+
+    def step() -> tuple[float, float, float]:
         start = CLOCK[0]()
         opt.backward(model())
         middle = CLOCK[0]()
+        IN_GATHER[0] = 0.0
         opt.step()
         opt.wait_for_params()
-        return CLOCK[0]() - middle, middle - start
+        total = CLOCK[0]() - middle
+        return total, total - IN_GATHER[0], middle - start
 
     return step, opt
 
@@ -87,12 +118,30 @@ def kernel(shapes, make):
         row.grad = torch.randn(row.numel(), generator=g)
     opt = make(rows)
 
-    def step() -> tuple[float, float]:
+    def step() -> tuple[float, float, float]:
         start = CLOCK[0]()
         opt.step()
-        return CLOCK[0]() - start, 0.0
+        took = CLOCK[0]() - start
+        return took, took, 0.0
 
     return step, None
+
+
+class OurKernel:
+    """Our host kernel over fp32 rows with AdamW's defaults (``lr=1e-4``), as an optimizer's ``step``."""
+
+    def __init__(self, rows, out_dtype: torch.dtype | None) -> None:
+        self.kernel = host.host_kernel()
+        self.hyper = host.AdamHyper(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True)
+        self.tensors = [
+            host.AdamTensors(r, r.grad, torch.zeros_like(r), torch.zeros_like(r), torch.zeros(()),
+                             torch.empty(r.numel(), dtype=out_dtype) if out_dtype else None)
+            for r in rows
+        ]  # fmt: skip
+
+    def step(self) -> None:
+        self.kernel.step(self.tensors, [self.hyper] * len(self.tensors), grad_scale=None,
+                         threads=torch.get_num_threads())  # fmt: skip
 
 
 def deepspeed_maker():
@@ -119,36 +168,50 @@ def profile_parts(step) -> dict[str, float]:
 def body(rank: int, world_size: int, numel: int, threads: int, rounds: int, steps: int, clock: str, out: dict) -> None:
     torch.set_num_threads(threads)
     CLOCK[0] = time.process_time if clock == "cpu" else time.perf_counter
+    timed_gather_issue()
     shapes = layer_shapes(numel)
     setups = {"fused AdamW (kernel)": kernel(shapes, lambda rows: torch.optim.AdamW(rows, lr=1e-4, fused=True))}
     make_ds, ds_why = deepspeed_maker()
     if make_ds is not None:
         setups["DeepSpeedCPUAdam"] = kernel(shapes, make_ds)
+    ours_why = getattr(host.host_kernel(), "why", None)
+    if ours_why is None:
+        setups["our kernel"] = kernel(shapes, lambda rows: OurKernel(rows, None))
+        setups["our kernel + bf16 copy"] = kernel(shapes, lambda rows: OurKernel(rows, torch.bfloat16))
     for dtype in (torch.float32, torch.bfloat16):
         for clip in (0.0, 1.0):
-            name = f"ours, {str(dtype).split('.')[1]}, {'clip 1.0' if clip else 'no clip'}"
-            setups[name] = ours(shapes, dtype, clip)
+            for torch_step in (False, True):
+                name = (
+                    f"{'torch' if torch_step else 'ours'}: {str(dtype).split('.')[1]}, {'clip' if clip else 'no clip'}"
+                )
+                setups[name] = ours(shapes, dtype, clip, torch_step)
     for step, _ in setups.values():
         step()
-        step()  # warm-up: state created, fused kernel chosen
-    times = {name: [] for name in setups}  # per round: (step, backward) of its fastest step
+        step()  # warm-up: state created, kernels chosen
+    times = {name: [] for name in setups}  # per round: (step, host, backward) of its fastest step
     for _ in range(rounds):
         for name, (step, _) in setups.items():
             times[name].append(min(step() for _ in range(steps)))
-    base = [t for t, _ in times["fused AdamW (kernel)"]]
+    base = [t for t, _, _ in times["fused AdamW (kernel)"]]
     rows = []
     for name, (step, opt) in setups.items():
-        ratios = sorted(t / b for (t, _), b in zip(times[name], base))
+        ratios = sorted(t / b for (t, _, _), b in zip(times[name], base))
+        host_ratios = sorted(h / b for (_, h, _), b in zip(times[name], base))
         row = {
             "setup": name,
-            "step ms": round(statistics.median(t for t, _ in times[name]) * 1e3, 1),
-            "x kernel": round(statistics.median(ratios), 2),
+            "step ms": round(statistics.median(t for t, _, _ in times[name]) * 1e3, 1),
+            "step x kernel": round(statistics.median(ratios), 2),
             "spread": f"{ratios[0]:.2f}-{ratios[-1]:.2f}",
-            "backward ms": round(statistics.median(b for _, b in times[name]) * 1e3, 1) if opt else "",
+            "host ms": round(statistics.median(h for _, h, _ in times[name]) * 1e3, 1) if opt else "",
+            "host x kernel": round(statistics.median(host_ratios), 2) if opt else "",
+            "host spread": f"{host_ratios[0]:.2f}-{host_ratios[-1]:.2f}" if opt else "",
+            "backward ms": round(statistics.median(b for _, _, b in times[name]) * 1e3, 1) if opt else "",
+            "path": (opt.host_step.last_path if opt.host_step else "torch") if opt else "",
         }
         row.update(profile_parts(step) if opt is not None else dict.fromkeys(PART_NAMES, ""))
         rows.append(row)
-    out.update(rows=rows, numel=sum(torch.Size(s).numel() for s in shapes), threads=threads, deepspeed=ds_why)
+    out.update(rows=rows, numel=sum(torch.Size(s).numel() for s in shapes), threads=threads, deepspeed=ds_why,
+               ours=ours_why)  # fmt: skip
 
 
 def main() -> None:
@@ -176,20 +239,33 @@ def main() -> None:
         clock=args.clock,
         out=out,
     )
-    rows, numel, threads, ds_why = out["rows"], out["numel"], out["threads"], out["deepspeed"]
-    columns = ["setup", "step ms", "x kernel", "spread", "backward ms", *PART_NAMES]
+    rows, numel, threads, ds_why, ours_why = (out[k] for k in ("rows", "numel", "threads", "deepspeed", "ours"))
+    columns = ["setup", "path", "step ms", "step x kernel", "spread", "host ms", "host x kernel", "host spread"]
+    columns += ["backward ms", *PART_NAMES]
     header = (
         f"# The offloaded step's host time against the host kernel\n\n"
         f"`python benchmarks/offload_host.py --numel {args.numel:g} --rounds {args.rounds} --threads {threads} "
         f"--clock {args.clock}`: W=1, gloo, "
         f"{numel / 1e6:.1f}M elements in {len(layer_shapes(numel))} tensors, {threads} threads, "
-        f"AdamW; our `step()` (stage 2, offload) against torch's fused CPU AdamW on fp32 rows of the same "
-        f"shapes, medians over {args.rounds} interleaved rounds of each round's fastest of {args.steps} steps; "
-        f"the last three columns are ms of one profiled step."
+        f"AdamW; kernels alone on fp32 rows of the same shapes, then our `step()` (stage 2, offload) with our "
+        f"host kernel (ours) and with torch's fused kernel (torch), against torch's fused CPU AdamW alone; "
+        f"medians over {args.rounds} interleaved rounds of each round's fastest of {args.steps} steps. "
+        f"**host**: the step less the gather (what the host does per step on a GPU machine; see the script's "
+        f"docstring); the last three columns are ms of one profiled step."
     )
     footer = "" if ds_why is None else f"\nDeepSpeedCPUAdam not measured: {ds_why}\n"
-    data = {"numel": numel, "threads": threads, "deepspeed": ds_why, "rows": rows}
+    footer += "" if ours_why is None else f"\nOur kernel not available: {ours_why}\n"
+    data = {"numel": numel, "threads": threads, "deepspeed": ds_why, "ours": ours_why, "rows": rows}
     print(write_results(args.name, rows, columns, header, footer, data=data))
+    plotted = [r for r in rows if r["host x kernel"] != ""] + [r for r in rows if r["host x kernel"] == ""]
+    host = [r["host x kernel"] != "" for r in plotted]
+    bar_plot(
+        RESULTS / f"{args.name}.png", [r["setup"] for r in plotted],
+        [r["host x kernel"] if h else r["step x kernel"] for r, h in zip(plotted, host)],
+        spans=[tuple(map(float, (r["host spread"] if h else r["spread"]).split("-"))) for r, h in zip(plotted, host)],
+        xlabel="host part of step() / torch's fused AdamW (kernels: their own time); bars: min-max of rounds",
+        title=f"offloaded step, host part, {numel / 1e6:.0f}M elements, {threads} thread(s)",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

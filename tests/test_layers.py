@@ -11,7 +11,19 @@ from pathlib import Path
 
 ZERO = Path(__file__).resolve().parents[1] / "hf_lowzero" / "zero"
 # Bottom to top. A module may import from its own room and from the rooms before it.
-ROOMS = ["auto_interval", "zero_config", "runtime", "layout", "grads", "update", "exact", "inner", "integrity", "top"]
+ROOMS = [
+    "auto_interval",
+    "zero_config",
+    "runtime",
+    "layout",
+    "host",
+    "grads",
+    "update",
+    "exact",
+    "inner",
+    "integrity",
+    "top",
+]
 
 
 def _module(path: Path) -> str:

@@ -93,9 +93,11 @@ def test_model_state_formulas(world_size):
         assert states(fp32, Setup(stage)) == pytest.approx(4 * psi + 16 * rows + steps, rel=tolerance)
     offloaded = simulate_step(spec, bf16, Setup(2, offload=True), world_size, 2, 32)
     on_device = simulate_step(spec, bf16, Setup(2), world_size, 2, 32)
-    # host: fp32 masters, Adam states and gradient rows, and a bf16 staging copy of the rows
-    assert offloaded.host == pytest.approx(18 * rows + steps, rel=tolerance)
-    assert offloaded.peak == pytest.approx(on_device.peak - offloaded.host, rel=tolerance)
+    # host: fp32 masters, Adam states and gradient rows, a bf16 staging copy of the gradient rows, and
+    # the bf16 copy of the masters our host kernel writes ([Note: our kernel in torch's place])
+    assert offloaded.host == pytest.approx(20 * rows + steps, rel=tolerance)
+    moved = offloaded.host - 2 * rows  # the kernel's bf16 copy has no counterpart on the device
+    assert offloaded.peak == pytest.approx(on_device.peak - moved, rel=tolerance)
 
 
 def plan_for(memory, **kwargs):

@@ -17,6 +17,7 @@ from hf_lowzero.zero.exact import ExactReducer, ExactStepStats, use_row_invarian
 from hf_lowzero.zero.grads.backward import BackwardSync
 from hf_lowzero.zero.grads.grad_store import make_grad_store
 from hf_lowzero.zero.grads.reducer import BucketReducer
+from hf_lowzero.zero.host.adam_step import HostAdamStep, make_host_step
 from hf_lowzero.zero.inner.adopt import adopt_inner_optimizer
 from hf_lowzero.zero.inner.groups import ParamGroups
 from hf_lowzero.zero.inner.policy import prefer_fused_on_cpu
@@ -26,6 +27,7 @@ from hf_lowzero.zero.layout.buckets import Bucket, plan_buckets
 from hf_lowzero.zero.layout.packing import inner_view
 from hf_lowzero.zero.layout.params import ParamSlot, WrapGuard, managed_slots
 from hf_lowzero.zero.runtime import comm
+from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.allgather import ParamGather
@@ -51,6 +53,7 @@ class OptimizerParts:
     master: MasterRows
     precision: FullPrecisionMasters | Bf16Masters
     gather: ParamGather  # the masters back into the params
+    host_step: HostAdamStep | None  # offload: our host kernel where it is exact, else None
     inner_params: list[torch.Tensor | None]  # per slot ([Note: inner params] in inner/adopt.py)
     unused_mask: UnusedMask
     groups: ParamGroups  # [Note: two sets of param groups]
@@ -102,16 +105,22 @@ def build_parts(
             tap=integrity, shard=shard,
         )  # fmt: skip
     master = MasterRows(slots, buckets, offload=offload, pin_memory=pin, dtype=config.master_dtype, shard=shard)
-    gather = ParamGather(
-        slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard
+    precision = make_master_precision(
+        master.flat, slots, config.master_rounding, config.master_rounding_seed, shard=shard
     )
+    host_step = None  # [Note: our kernel in torch's place]: offloaded fp32 masters
+    if offload and not exact and isinstance(precision, FullPrecisionMasters):
+        host_step = make_host_step(
+            optimizer, slots, buckets, precision.inner_params, master.flat, pin=pin and dev.is_cuda(device)
+        )
+    gather = ParamGather(
+        slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard,
+        copy=host_step.copy if host_step else None,
+    )  # fmt: skip
     gather.attach(model)  # [Note: overlapped all-gather]
     guard = WrapGuard(slots)
     sync = BackwardSync(
         slots, buckets, reducer, config.overlap_communication, guard=guard.check, pending=gather.stale_slots
-    )
-    precision = make_master_precision(
-        master.flat, slots, config.master_rounding, config.master_rounding_seed, shard=shard
     )
 
     # The inner optimizer steps the inner params, each with its fixed gradient view ([Note: inner params]).
@@ -135,7 +144,7 @@ def build_parts(
     stats = ExactStepStats(reducer, slots, shard=shard) if exact else StepStats(len(slots), shard=shard)
     return OptimizerParts(
         shard=shard, slots=slots, buckets=buckets, guard=guard, integrity=integrity, reducer=reducer, sync=sync,
-        stats=stats, master=master, precision=precision, gather=gather,
+        stats=stats, master=master, precision=precision, gather=gather, host_step=host_step,
         inner_params=inner_params, unused_mask=UnusedMask(inner_params, inner_grads), groups=groups,
         slot_at=slot_at, scaler=scaler, counts=counts, shard_state=shard_state,
     )  # fmt: skip

@@ -239,13 +239,14 @@ class OptimizerFacade(torch.optim.Optimizer):
         parts, params = self._parts, list(self.model.parameters())
         managed = {id(slot.param) for slot in parts.slots}
         master, reducer = parts.master.flat, parts.reducer
+        copy = [parts.host_step.copy.flat] if parts.host_step and parts.host_step.copy else []  # 16-bit rows
         state = [v for entry in self.optim.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
-        host = [master, *reducer.store.tensors(), *state, parts.stats.host]
+        host = [master, *copy, *reducer.store.tensors(), *state, parts.stats.host]
         return MemoryReport.measure(
             params=bytes_by_device(params),
             grads=bytes_by_device(p.grad for p in params if id(p) in managed and p.grad is not None),
             grad_buffers=reducer.buffer_bytes(),
-            master_rows=bytes_by_device([master]),
+            master_rows=bytes_by_device([master, *copy]),
             optimizer_state=bytes_by_device(state),
             buffers=bytes_by_device(self.model.buffers()),
             comm_buffers=bytes_by_device(reducer.pool.tensors()),

@@ -111,6 +111,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         self.slots, self.buckets = parts.slots, parts.buckets
         self.integrity, self.reducer, self.master = parts.integrity, parts.reducer, parts.master
         self.scaler, self.counts = parts.scaler, parts.counts
+        self.host_step = parts.host_step  # offload: our host kernel where exact ([Note: our kernel in torch's place])
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
         self._pending_norm = None  # (grad_version, reduced chunks, verdict) of this step
@@ -250,7 +251,9 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         parts.groups.sync()
         parts.master.gate.before_write()  # [Note: one gate for the shard's writers]
         with record_function("hf_lowzero::inner_step"), parts.precision.stepping(), dev.phase("inner_step"):
-            self.optim.step()  # whatever it syncs is its own, as without ZeRO (torch's Adafactor reads its step)
+            # [Note: our kernel in torch's place]; each bucket's rows leave as stepped ([Note: rows sent as stepped])
+            if parts.host_step is None or not parts.host_step.step(after_chunk=parts.gather.upload):
+                self.optim.step()  # whatever it syncs is its own, as without ZeRO (torch's Adafactor reads its step)
         with record_function("hf_lowzero::all_gather_issue"):
             parts.gather.issue()
 

@@ -53,30 +53,32 @@ class NativeUnavailable:
 _loaded: dict[Path, ctypes.CDLL | NativeUnavailable] = {}
 
 
-def load(source: Path) -> ctypes.CDLL | NativeUnavailable:
-    """The compiled ``source`` (built on first use, cached), or why not. Memoized per process."""
+def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | NativeUnavailable:
+    """The compiled ``source`` (built on first use, cached), or why not. Memoized per process.
+    ``extra_flags``: g++ flags after FLAGS, for this kernel (e.g. ``-fno-math-errno``)."""
     source = Path(source).resolve()
     if source not in _loaded:
-        _loaded[source] = _load(source)
+        _loaded[source] = _load(source, extra_flags)
         if isinstance(_loaded[source], NativeUnavailable):
             logger.info("[hf_lowzero] %s not used: %s", source.name, _loaded[source].why)
     return _loaded[source]
 
 
-def _load(source: Path) -> ctypes.CDLL | NativeUnavailable:
+def _load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | NativeUnavailable:
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return NativeUnavailable(f"{SWITCH_ENV}=0")
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         return NativeUnavailable("no C++ compiler (g++ or $CXX) on PATH; install one (e.g. apt install g++)")
     text = source.read_bytes()
-    key = hashlib.sha256(text + " ".join(FLAGS).encode() + compiler.encode() + _cpu_flags().encode()).hexdigest()
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256(text + " ".join(flags).encode() + compiler.encode() + _cpu_flags().encode()).hexdigest()
     cache = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "hf_lowzero"))
     target = cache / f"lib{source.stem}_{key[:16]}.so"
     if not target.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.partial")  # another process may build it meanwhile
-        built = subprocess.run([compiler, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True)
+        built = subprocess.run([compiler, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
         if built.returncode != 0:
             partial.unlink(missing_ok=True)
             return NativeUnavailable(f"compiling {source.name} failed:\n{built.stderr[-1500:]}")

@@ -38,6 +38,15 @@ Example::
 # at a point where the step's activations are freed; each is released as its bucket is unpacked.
 # Without ``defer`` at most MAX_GATHERS_IN_FLIGHT are alive, all waited inside the step.
 
+# [Note: rows sent as stepped]
+# With offload the host kernel steps the rows bucket by bucket, in the order ``issue`` sends them
+# (``host/adam_step.py``). As each bucket is done, ``upload`` starts its copy to the device
+# (non-blocking, from pinned memory, on the compute stream), so it overlaps the host's step of the
+# next bucket; ``_start`` then finds the rows already sent. Where the kernel also wrote the params'
+# 16-bit copy (``ParamCopy``, fresh for this step only), that copy is what is sent (half the bytes of
+# fp32) and no cast is left to do, on the host (the CPU) or on the device. The host rows are read
+# by those copies: ``issue`` registers them with the write gate as before.
+
 # [Note: params are current]
 # Reads of params outside the training forward wait for every gather first: ``model.state_dict()``
 # and ``model.load_state_dict()`` (pre-hooks on each module holding a managed param: a loaded
@@ -58,6 +67,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from hf_lowzero.zero.host.adam_step import ParamCopy
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.packing import UnpackPlan, bucket_view, unpack_bucket, unpack_targets
 from hf_lowzero.zero.layout.params import ParamSlot
@@ -97,9 +107,12 @@ class ParamGather:
         pool: BufferPool,
         defer: bool,
         shard: ShardGroup,
+        copy: ParamCopy | None = None,
     ) -> None:
         self.slots, self.buckets, self.flat, self.gate = slots, buckets, flat, gate
         self.shard, self.pool = shard, pool
+        self.copy = copy  # the rows in the params' dtype, from the host kernel ([Note: rows sent as stepped])
+        self._uploaded: dict[int, torch.Tensor] = {}  # bucket index -> its rows already sent to the device
         self.defer = defer and shard.world_size > 1  # one rank gathers nothing: the copy is the unpack
         self.pending: dict[int, Gather] = {}  # bucket index -> its gather in flight (deferred)
         self._targets: list[UnpackPlan] = [unpack_targets(b, world_size=shard.world_size) for b in buckets]
@@ -132,10 +145,25 @@ class ParamGather:
                 self._finish(gather)
         if self.flat.device != self.shard.device:  # host rows were read by copies on the device's stream
             self.gate.read_by(dev.record_event(dev.current_stream(self.shard.device)))
+        if self.copy is not None:
+            self.copy.fresh = False  # read: the next writer of the masters may not keep it current
+        self._uploaded.clear()
+
+    def upload(self, bucket_index: int) -> None:
+        """[Note: rows sent as stepped]: bucket ``bucket_index``'s rows are final; start their copy
+        to the device now (a no-op where the rows already are on the params' device)."""
+        bucket = self.buckets[bucket_index]
+        if self._host_rows(bucket).device != bucket.device:
+            self._uploaded[bucket_index] = self._host_rows(bucket).to(bucket.device, non_blocking=True)
+
+    def _host_rows(self, bucket: Bucket) -> torch.Tensor:
+        fresh = self.copy is not None and self.copy.fresh and self.copy.flat.dtype == bucket.dtype
+        return bucket_view(self.copy.flat if fresh else self.flat, bucket)
 
     def _start(self, bucket: Bucket) -> Gather | None:
-        master_rows = bucket_view(self.flat, bucket)
-        rows = master_rows.to(bucket.device, non_blocking=True)
+        master_rows = self._host_rows(bucket)
+        rows = self._uploaded.pop(bucket.index, None)
+        rows = master_rows.to(bucket.device, non_blocking=True) if rows is None else rows
         if rows.dtype != bucket.dtype:
             rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
         copied = rows is not master_rows  # identity, not data_ptr(): this runs under FakeTensorMode too

@@ -1,0 +1,237 @@
+"""The inner Adam/AdamW step on offloaded rows with our kernel, chunk by chunk, where it is exact.
+
+Example::
+
+    host_step = make_host_step(inner_optimizer, slots, buckets, inner_params, master.flat, pin=True)
+    if not host_step.step(after_chunk=gather.upload):   # False: torch's own step must run
+        inner_optimizer.step()
+
+# [Note: our kernel in torch's place]
+# The inner step is torch's ``Adam``/``AdamW`` with the fused kernel; ours computes the same bits
+# ([Note: rounding as torch's fused Adam] in ``kernel.py``) and also writes the params' 16-bit copy,
+# so it runs in its place exactly where that holds, checked at every step (``why_not``): the
+# optimizer is exactly ``Adam`` or ``AdamW`` with no step hooks and no ``found_inf``; every group has
+# ``fused=True`` and ``amsgrad``, ``maximize``, ``capturable``, ``differentiable`` off; every inner
+# param, gradient and state tensor is a real contiguous host tensor of the expected dtype. Anything
+# else: torch's ``optimizer.step()`` runs, as before. The state stays torch's own: ``step`` (a float32
+# scalar tensor), ``exp_avg`` and ``exp_avg_sq``, created as torch creates them on a param's first
+# step with a gradient and incremented by the kernel as torch increments them, so ``state_dict()``,
+# checkpoints and resuming are unchanged and a run can switch between the two paths at any step. A
+# param whose ``.grad`` is None (used on no rank, [Note: inner params]) is not stepped and gets no
+# state, as with torch; its rows are only copied into the 16-bit copy. The gradient rows are divided
+# by ``grad_scale`` in the kernel but not written back (the step discards them).
+#
+# Chunks are buckets, in the order the gather issues them: after the kernel finished a chunk,
+# ``after_chunk(bucket index)`` starts its copy to the device while the host steps the next.
+# On fake tensors (a simulation of the GPU path) torch's own fused ops do the kernel's work
+# (``TorchFusedKernel``): the same reads and writes, chunk by chunk, for the simulation to check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.optim import optimizer as torch_optimizer
+
+from hf_lowzero.zero.host.kernel import AdamHyper, AdamTensors, HostAdamKernel, TorchFusedKernel, host_kernel
+from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.layout.packing import piece_view
+from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime import native
+
+STEPPED_BY_US: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+OFF_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """A bucket's inner params and, where the params' 16-bit copy is kept, their views of it."""
+
+    bucket_index: int
+    params: tuple[torch.Tensor, ...]
+    outs: tuple[torch.Tensor, ...] | None  # same shapes as params, in the params' dtype; None: no copy
+
+
+@dataclass(eq=False)
+class ParamCopy:
+    """The master rows again, in the params' 16-bit dtype (1D, host; pinned for CUDA params), the
+    same layout as the masters; ``fresh`` while it holds this step's values, written by the kernel."""
+
+    flat: torch.Tensor
+    fresh: bool = False
+
+
+class HostAdamStep:
+    """Steps the inner ``optimizer``'s params with our kernel ([Note: our kernel in torch's place]).
+    ``copy``, where kept, costs 2 bytes per row element of host memory (pinned for CUDA params);
+    ``memory_report()`` counts it with the master rows."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        chunks: list[Chunk],
+        *,
+        kernel: HostAdamKernel | native.NativeUnavailable,
+        copy: ParamCopy | None,
+    ) -> None:
+        self.optimizer, self.chunks, self.kernel, self.copy = optimizer, chunks, kernel, copy
+        self.last_path = "torch"  # which path the last step took: "ours" or "torch" (for tests, benchmarks)
+        self._checked: dict[int, tuple] = {}  # id(inner param) -> weak refs of the tensors last found fine
+
+    def why_not(self) -> str | None:
+        """Why this step must be torch's own, or None when ours computes the same bits."""
+        if isinstance(self.kernel, native.NativeUnavailable) and not self._simulated():
+            return self.kernel.why
+        optimizer = self.optimizer
+        if type(optimizer) not in STEPPED_BY_US:
+            return f"the inner optimizer is {type(optimizer).__name__}, not torch's Adam or AdamW"
+        if getattr(optimizer, "found_inf", None) is not None or _has_step_hooks(optimizer):
+            return "the inner optimizer has step hooks or found_inf"
+        for group in optimizer.param_groups:
+            if not group.get("fused") or any(group.get(flag) for flag in OFF_FLAGS):
+                return "a param group is not fused, or asks for amsgrad, maximize, capturable or differentiable"
+        in_chunks = sum(len(chunk.params) for chunk in self.chunks)
+        if in_chunks != sum(len(group["params"]) for group in optimizer.param_groups):
+            return "the param groups hold params outside the buckets' chunks"
+        grads = {p.grad.dtype for chunk in self.chunks for p in chunk.params if p.grad is not None}
+        if len(grads) > 1 or not grads <= set(GRAD_DTYPES):
+            return f"gradients of dtypes {sorted(map(str, grads))}"
+        fake = self._simulated()
+        for chunk in self.chunks:
+            for param in chunk.params:
+                state = optimizer.state.get(param)
+                tensors = (param.grad, *(state.get(key) for key in STATE_KEYS)) if state else (param.grad,)
+                if _same(self._checked.get(id(param)), tensors):
+                    continue  # the same tensors as last time (a param's own never changes: fixed views)
+                why = _tensor_problem(param, state, fake)
+                if why:
+                    return why
+                self._checked[id(param)] = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        return None
+
+    def _simulated(self) -> bool:
+        """Whether the rows are fake tensors: a simulation of the step, which ``TorchFusedKernel`` runs."""
+        return any(is_fake(chunk.params[0]) for chunk in self.chunks if chunk.params)
+
+    def step(self, after_chunk: Callable[[int], None] | None = None) -> bool:
+        """One step of the inner optimizer with our kernel, or False (nothing done) where it must be
+        torch's. ``after_chunk(bucket_index)``: called as each chunk is done, in ``chunks``' order."""
+        if self.why_not() is not None:
+            self.last_path = "torch"
+            if self.copy is not None:
+                self.copy.fresh = False
+            return False
+        hyper_of = {}
+        for group in self.optimizer.param_groups:
+            hyper = _hyper(group, type(self.optimizer) is torch.optim.AdamW)
+            for param in group["params"]:
+                hyper_of[param] = hyper
+        grad_scale = getattr(self.optimizer, "grad_scale", None)
+        threads = torch.get_num_threads()
+        kernel = TorchFusedKernel() if self._simulated() else self.kernel
+        if self.copy is not None:
+            self.copy.fresh = True  # each chunk's part is written before after_chunk reads it
+        for chunk in self.chunks:
+            tensors = [self._tensors(p, chunk.outs[i] if chunk.outs else None) for i, p in enumerate(chunk.params)]
+            chosen = [(t, hyper_of[p]) for t, p in zip(tensors, chunk.params) if t is not None]
+            if chosen:
+                kernel.step([t for t, _ in chosen], [h for _, h in chosen], grad_scale=grad_scale, threads=threads)
+            if after_chunk is not None:
+                after_chunk(chunk.bucket_index)
+        self.last_path = "ours"
+        return True
+
+    def _tensors(self, param: torch.Tensor, out: torch.Tensor | None) -> AdamTensors | None:
+        if param.numel() == 0:
+            return None
+        if param.grad is None:  # not stepped, no state: only its 16-bit copy
+            return None if out is None else AdamTensors(param, None, None, None, None, out)
+        state = self.optimizer.state[param]
+        if len(state) == 0:  # as torch's Adam._init_group creates it for a fused group
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return AdamTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], out)
+
+
+def _same(checked: tuple | None, tensors: tuple) -> bool:
+    """Whether ``tensors`` are the very tensors ``checked`` refers to (weakly: a freed one never is)."""
+    if checked is None or len(checked) != len(tensors):
+        return False
+    return all((ref is None and t is None) or (ref is not None and ref() is t) for ref, t in zip(checked, tensors))
+
+
+def _hyper(group: dict, adamw: bool) -> AdamHyper:
+    beta1, beta2 = group["betas"]
+    decoupled = adamw or bool(group.get("decoupled_weight_decay"))  # older torch: AdamW's groups lack the key
+    return AdamHyper(
+        lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]), decoupled=decoupled,
+    )  # fmt: skip
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    own = optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+    return bool(own or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+
+
+def _tensor_problem(param: torch.Tensor, state: dict | None, fake: bool) -> str | None:
+    numel = param.numel()
+
+    def plain(tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...], count: int) -> bool:
+        kind = is_fake(tensor) if fake else type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        return kind and tensor.device.type == "cpu" and tensor.dtype in dtypes and tensor.numel() == count and (
+            tensor.is_contiguous()
+        )  # fmt: skip
+
+    if not plain(param, (torch.float32,), numel):
+        return "an inner param is not a contiguous fp32 host tensor"
+    if param.grad is not None and not plain(param.grad, GRAD_DTYPES, numel):
+        return "a gradient is not a contiguous host tensor of the param's size"
+    if state:
+        step = state.get("step")
+        if step is None or not plain(step, (torch.float32,), 1) or step.dim() != 0:
+            return "a param's state has no float32 scalar step tensor"
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state or not plain(state[key], (torch.float32,), numel):
+                return f"a param's {key} is not a contiguous fp32 host tensor"
+    return None
+
+
+def make_host_step(
+    optimizer: torch.optim.Optimizer,
+    slots: list[ParamSlot],
+    buckets: list[Bucket],
+    inner_params: list[torch.Tensor | None],
+    flat: torch.Tensor,
+    *,
+    pin: bool,
+) -> HostAdamStep:
+    """The host step over offloaded fp32 master rows ``flat`` (``inner_params`` are views of it, per
+    slot), chunked by bucket in the gather's order (reversed plan: the next forward's). The params'
+    16-bit copy is kept when every bucket holds params of one 16-bit dtype and the inner params cover
+    the rows."""
+    chunks, dtypes = [], {bucket.dtype for bucket in buckets}
+    covered = sum(p.numel() for p in inner_params if p is not None) == flat.numel()
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+    keep = covered and dtype in (torch.bfloat16, torch.float16) and flat.dtype == torch.float32
+    keep = keep and type(optimizer) in STEPPED_BY_US  # 2 bytes per row element: only where ours may run
+    copy = ParamCopy(dev.host_buffer(flat.numel(), dtype, pin)) if keep else None
+    for bucket in reversed(buckets):
+        held = [(slot, inner_params[slot.index]) for slot in bucket.slots if inner_params[slot.index] is not None]
+        outs = tuple(piece_view(copy.flat, slot).view(p.shape) for slot, p in held) if copy else None
+        chunks.append(Chunk(bucket.index, tuple(p for _, p in held), outs))
+    if type(optimizer) not in STEPPED_BY_US:
+        kernel = native.NativeUnavailable("not Adam or AdamW")
+    elif is_fake(flat):  # a simulation: nothing to compile or probe ([Note: our kernel in torch's place])
+        kernel = native.NativeUnavailable("fake tensors")
+    else:
+        kernel = host_kernel()
+    return HostAdamStep(optimizer, chunks, kernel=kernel, copy=copy)
