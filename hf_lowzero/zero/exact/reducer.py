@@ -118,7 +118,7 @@ class ExactReducer(BucketReducer):
             pack_bucket(bucket, values, world_size=1, plan=self.pack_plans[bucket.index], grads=grads, divide=False)
         with record_function("hf_lowzero::quantize"):
             packed = self.packed[bucket.index]
-            seen = packed.max_abs(values).nan_to_num_(nan=math.inf)  # a non-finite gradient: an inf maximum
+            seen = packed.max_abs(values).nan_to_num_(nan=math.inf, posinf=math.inf)  # a non-finite gradient: inf
             self.max_abs[packed.index] = torch.maximum(self.max_abs[packed.index], seen)
             packed.scale(values, self._factors[bucket.index])  # by powers of two: exact
             direct = self.accumulator(bucket) if first else None
