@@ -137,3 +137,15 @@ def test_a_run_with_the_kernels_ends_with_the_torch_path_bits(world_size, tmp_pa
     for name in CASES:
         assert any(results[1][name]["applied"]), f"{name}: no step applied, the case tests nothing"
         assert_identical(results[0][name], results[1][name], f"{name} at W={world_size}")
+
+
+def test_fake_tensors_take_the_torch_path():
+    """A memory plan runs the step on fake tensors (no data): the kernels must not read them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        packed = Segments.of(2, [0, 1], [3, 4])
+        values, out, max_abs = torch.ones(14), torch.zeros(14, dtype=torch.int64), torch.zeros(2)
+        assert fixed_point.native_kernels((values, torch.float32)) is None
+        fixed_point.quantize(packed, values, [1.0, 2.0], max_abs, out, add=False)
+    assert out.shape == (14,)

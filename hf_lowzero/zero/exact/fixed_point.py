@@ -49,11 +49,15 @@ def _library() -> ctypes.CDLL | None:
 
 
 def native_kernels(*tensors: tuple[torch.Tensor, torch.dtype]) -> ctypes.CDLL | None:
-    """The C++ kernels where every tensor is a contiguous CPU one of the dtype it is paired with, and
-    they could be built; else None."""
-    if all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype for t, dtype in tensors):
+    """The C++ kernels where every tensor is a plain, contiguous CPU one of the dtype it is paired with
+    (not a memory plan's fake tensor: no data to read), and they could be built; else None."""
+    if all(_plain(t) and t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype for t, dtype in tensors):
         return _library()
     return None
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
 
 
 def _doubles(values: list[float]) -> ctypes.Array:
