@@ -247,6 +247,20 @@ def test_overflow_and_nonfinite_skip_alike_at_any_world_size(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(results[0]["params"], results[1]["params"]))
 
 
+def test_an_infinite_gradient_skips_the_step_and_keeps_the_grid(single_rank_group):
+    """An inf gradient (an fp16 overflow) is non-finite, not a large one: the grid must not widen to
+    fp32's largest value, which would round the param's next gradients to 0 for many steps."""
+    model = nn.Linear(2, 1)
+    opt = LowLevelZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), reduction="exact")
+    before = opt.reducer.grid_state()["bounds"]
+    opt.backward(model(torch.tensor([[float("inf"), 1.0]])).sum())  # weight's gradient: [inf, 1]
+    assert not opt.step()
+    assert "non-finite gradients in ['weight']" in opt.last_skip_reason
+    opt.zero_grad()
+    assert opt.reducer.grid_state()["bounds"]["weight"] == before["weight"]
+    opt.remove_hooks()
+
+
 def test_no_sync_refused(single_rank_group):
     model = BranchyNet()
     opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=1, reduction="exact")

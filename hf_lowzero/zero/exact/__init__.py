@@ -4,6 +4,8 @@ not depend on the world size.
 - ``grid.py``: the per-parameter fixed-point grid, its overflow test and how it follows the gradients
   (pure arithmetic on host numbers);
 - ``segments.py``: where each parameter lies in a packed bucket and in this rank's chunk;
+- ``fixed_point.py``: the passes over a bucket (rounding to the grid, the sums' maxima, the conversion
+  back), C++ kernels on the CPU (``fixed_point.cpp``) with the same bits as the torch ops elsewhere;
 - ``reducer.py``: ``ExactReducer``, quantizing each micro-batch's bucket and summing it in int64;
 - ``step.py``: ``ExactStepStats``, the step's decision: conversion back to float, the exact norm, skips;
 - ``kernels.py``: the inner optimizer's kernels that compute an element alike wherever it sits in a row.

@@ -16,12 +16,12 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
 from torch.profiler import record_function
 
+from hf_lowzero.zero.exact.fixed_point import quantize
 from hf_lowzero.zero.exact.grid import Grid
 from hf_lowzero.zero.exact.segments import Segments
 from hf_lowzero.zero.grads.grad_store import DeviceGradStore
@@ -110,16 +110,16 @@ class ExactReducer(BucketReducer):
         with record_function("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, values, world_size=1, plan=self.pack_plans[bucket.index], grads=grads, divide=False)
         with record_function("hf_lowzero::quantize"):
-            packed = self.packed[bucket.index]
-            seen = packed.max_abs(values).nan_to_num_(nan=math.inf)  # a non-finite gradient: an inf maximum
-            self.max_abs[packed.index] = torch.maximum(self.max_abs[packed.index], seen)
-            packed.scale(values, self._factors[bucket.index])  # by powers of two: exact
             direct = self.accumulator(bucket) if first else None
-            if self.shard.world_size == 1 and direct is not None:
-                quantized = direct
+            if self.shard.world_size == 1:  # no collective: into the accumulator, or added to it
+                quantized = self.accumulator(bucket)
             else:
                 quantized = self.take(bucket.packed_numel, SUM_DTYPE, bucket.device, taken)
-            quantized.copy_(values)  # truncated toward zero: [Note: exact reduction]
+            adding = self.shard.world_size == 1 and not first  # int64 sums: exact in any order
+            # times the grid's power of two (exact), truncated toward zero: [Note: exact reduction]
+            quantize(
+                self.packed[bucket.index], values, self._factors[bucket.index], self.max_abs, quantized, add=adding
+            )
         self.pool.give(values)
         if self.shard.world_size == 1:
             return Reduction(bucket, None, quantized, tuple(taken))

@@ -1,7 +1,8 @@
 """Where each parameter of a bucket lies, for the per-parameter work of exact reduction: in the packed
 bucket (every rank's chunk: ``[W, row_numel]`` for row shards, one row for whole params) and in this
 rank's reduced chunk. Views are cut per call (the buffers come from a pool), in a few Python steps
-per parameter; the work on them runs as multi-tensor (``torch._foreach_*``) kernels.
+per parameter; the work on them runs as multi-tensor (``torch._foreach_*``) kernels. On the CPU
+``fixed_point.py``'s C++ kernels take the ``table`` instead and cut no views.
 
 Example::
 
@@ -31,34 +32,40 @@ class Segments:
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
     index: torch.Tensor  # ``slots`` as a tensor on the bucket's device
+    table: torch.Tensor  # [3, params] int64 on the CPU: slots, starts, lengths (for the C++ kernels)
 
     @staticmethod
-    def _build(bucket: Bucket, rows: int, lengths: list[int]) -> Segments:
+    def of(rows: int, slots: list[int], lengths: list[int], device: torch.device | str = "cpu") -> Segments:
+        """Params ``slots`` back to back with ``lengths`` columns each, in a buffer of ``rows`` rows (a
+        param of no columns is not listed)."""
         starts = [0, *itertools.accumulate(lengths)][:-1]
-        kept = [(slot.index, a, n) for slot, a, n in zip(bucket.slots, starts, lengths) if n > 0]
-        slots = tuple(k[0] for k in kept)
+        kept = [(slot, a, n) for slot, a, n in zip(slots, starts, lengths) if n > 0]
+        listed, kept_starts, kept_lengths = (tuple(column) for column in zip(*kept)) if kept else ((), (), ())
         return Segments(
             rows,
             sum(lengths),
-            slots,
-            tuple(k[1] for k in kept),
-            tuple(k[2] for k in kept),
-            torch.tensor(slots, dtype=torch.long).to(bucket.device),
+            listed,
+            kept_starts,
+            kept_lengths,
+            torch.tensor(listed, dtype=torch.long).to(device),
+            torch.tensor([listed, kept_starts, kept_lengths], dtype=torch.long).reshape(3, len(listed)),
         )
 
     @staticmethod
     def packed(bucket: Bucket) -> Segments:
         """The packed bucket: rank-major ``[W, row_numel]`` for row shards (every param's piece at the
         same columns of every chunk), one row of whole params back to back otherwise."""
+        slots = [slot.index for slot in bucket.slots]
         if bucket.whole:
-            return Segments._build(bucket, 1, [slot.shard.numel for slot in bucket.slots])
-        world_size = len(bucket.chunks)
-        return Segments._build(bucket, world_size, [slot.shard.shard_numel for slot in bucket.slots])
+            return Segments.of(1, slots, [slot.shard.numel for slot in bucket.slots], bucket.device)
+        lengths = [slot.shard.shard_numel for slot in bucket.slots]
+        return Segments.of(len(bucket.chunks), slots, lengths, bucket.device)
 
     @staticmethod
     def owned(bucket: Bucket, rank: int) -> Segments:
         """This rank's chunk of the bucket: its piece of each param (a row, a whole param, or nothing)."""
-        return Segments._build(bucket, 1, [slot.shard.piece_numel(rank) for slot in bucket.slots])
+        lengths = [slot.shard.piece_numel(rank) for slot in bucket.slots]
+        return Segments.of(1, [slot.index for slot in bucket.slots], lengths, bucket.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` (1D, ``rows * cols``) per listed param."""

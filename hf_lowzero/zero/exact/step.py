@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import record_function
 
+from hf_lowzero.zero.exact.fixed_point import convert, int_max_abs
 from hf_lowzero.zero.exact.grid import square_exponents
 from hf_lowzero.zero.exact.reducer import ExactReducer
 from hf_lowzero.zero.layout.buckets import Bucket
@@ -63,8 +64,7 @@ class ExactStepStats:
             maxima = torch.zeros(2 * n + self.world_size, dtype=torch.float64, device=self.device)
             maxima[:n] = reducer.max_abs
             for bucket in held:  # int64 maxima: float64 rounds them as it rounds each sum, monotonically
-                owned = reducer.owned[bucket.index]
-                maxima[n + owned.index] = owned.max_abs(reducer.accumulator(bucket)).to(torch.float64)
+                int_max_abs(reducer.owned[bucket.index], reducer.accumulator(bucket), maxima[n : 2 * n])
             maxima[2 * n + self.rank] = reducer.contributions
             comm.all_reduce(maxima, self.group, op="max")
             top = maxima.cpu().tolist()
@@ -98,18 +98,15 @@ class ExactStepStats:
 
     def _convert(self, bucket: Bucket, factors: list[float], square_exps: list[int], squares: torch.Tensor) -> None:
         """``bucket``'s int64 sums -> its fp32 gradient rows, once; its params' rounded squares into ``squares``."""
-        reducer = self.reducer
-        owned = reducer.owned[bucket.index]
-        rows = reducer.store.chunk(bucket)
-        values = reducer.pool.take(bucket.row_numel, torch.float64, self.device)
-        values.copy_(reducer.accumulator(bucket))
-        owned.scale(values, [factors[i] for i in owned.slots])
-        rows.copy_(values)  # the rounding to fp32
-        values.square_()  # the norm of the float64 values: deterministic, a 2**-24 relative step from fp32's
-        owned.scale(values, [2.0 ** square_exps[i] for i in owned.slots])  # exact: powers of two
-        values.round_()
-        squares[owned.index] = owned.sums(values)  # integers summing below 2**53: exact in float64
-        reducer.pool.give(values)
+        owned = self.reducer.owned[bucket.index]
+        convert(
+            owned,
+            self.reducer.accumulator(bucket),
+            [factors[i] for i in owned.slots],
+            [2.0 ** square_exps[i] for i in owned.slots],  # powers of two: exact
+            self.reducer.store.chunk(bucket),
+            squares,
+        )
 
     def _skip_text(self, overflowed: list[int], maxima: list[float]) -> str:
         nonfinite = [self.names[i] for i in overflowed if not math.isfinite(maxima[i])]
