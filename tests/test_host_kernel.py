@@ -22,9 +22,12 @@ def kernel() -> host.HostAdamKernel:
     return found
 
 
-def both_step(kernel, hyper, sizes, *, steps=3, scale=None, grad_dtype=torch.float32, out_dtype=None, threads=1):
+def both_step(
+    kernel, hyper, sizes, *, steps=3, scale=None, grad_dtype=torch.float32, out_dtype=None, threads=1, factor=None
+):
     """``steps`` steps of torch's fused kernel and of ours from the same params and gradients; the
-    two sets of (param, exp_avg, exp_avg_sq, step), and our outs."""
+    two sets of (param, exp_avg, exp_avg_sq, step), and our outs. ``factor``: ours multiplies the
+    gradients by it as it reads them; torch gets them multiplied by torch first."""
     g = torch.Generator().manual_seed(len(sizes) + steps)
     params = [torch.randn(n, generator=g) for n in sizes]
     theirs = [p.clone().requires_grad_() for p in params]
@@ -36,12 +39,14 @@ def both_step(kernel, hyper, sizes, *, steps=3, scale=None, grad_dtype=torch.flo
         grads = [(torch.randn(n, generator=g) * 4).to(grad_dtype) for n in sizes]
         for p, grad in zip(theirs, grads):
             p.grad = grad.float().clone()  # promoted (16-bit); a copy: torch writes the divided gradient back
+            if factor is not None:
+                p.grad.mul_(factor)  # the device path's multiply of the rows
         if scale is not None:
             reference.grad_scale = torch.tensor(scale)
         reference.step()
         tensors = [host.AdamTensors(p, gr, m, v, s, o) for p, gr, (m, v, s), o in zip(params, grads, ours, outs)]
         kernel.step(tensors, [hyper] * len(sizes), grad_scale=None if scale is None else torch.tensor(scale),
-                    threads=threads)  # fmt: skip
+                    threads=threads, grad_factor=factor)  # fmt: skip
     expected = [(t.detach(), *(reference.state[t][k] for k in ("exp_avg", "exp_avg_sq", "step"))) for t in theirs]
     got = [(p, m, v, s) for p, (m, v, s) in zip(params, ours)]
     return expected, got, outs
@@ -67,6 +72,21 @@ HYPERS = {
 def test_the_kernel_steps_torchs_fused_adam_bit_for_bit(kernel, name, scale):
     expected, got, _ = both_step(kernel, HYPERS[name], SIZES, scale=scale)
     assert_bit_equal(expected, got, f"{name}, grad_scale {scale}")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [0.3137, 2.0**-10])
+def test_a_factor_is_multiplied_as_the_rows_multiply_before_torchs_kernel(kernel, grad_dtype, factor):
+    """The step's clip factor ([Note: one multiply]): ours multiplies each gradient as it reads it,
+    with the bits of a multiply of the rows followed by torch's kernel (the device path)."""
+    expected, got, _ = both_step(kernel, HYPERS["adamw"], SIZES, factor=factor, grad_dtype=grad_dtype)
+    assert_bit_equal(expected, got, f"factor {factor}, {grad_dtype} gradients")
+
+
+def test_a_divisor_and_a_factor_together_are_refused(kernel):
+    t = host.AdamTensors(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(()))
+    with pytest.raises(ValueError, match="not both"):
+        kernel.step([t], [HYPERS["adamw"]], grad_scale=torch.tensor(2.0), threads=1, grad_factor=0.5)
 
 
 def test_a_large_tensor_on_two_threads_is_bit_equal_too(kernel):

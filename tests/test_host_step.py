@@ -1,6 +1,7 @@
 """The offloaded step with our host kernel against today's path (torch's fused AdamW/Adam stepping
-the same host rows): bit-equal params and optimizer state after every step, with and without
-clipping (both fold the factor into the kernel as ``grad_scale``), stage 1 and 2, fp32/bf16/fp16
+the same host rows): bit-equal params and optimizer state after every step without clipping, and
+within rounding with it (ours multiplies by the clip factor, as the device path does; torch's path
+divides by its inverse, as ``grad_scale``), stage 1 and 2, fp32/bf16/fp16
 params, accumulation and unused params, W = 1 and 2; and a run switches between the two paths
 ([Note: our kernel in torch's place] in ``hf_lowzero/zero/host/adam_step.py``)."""
 
@@ -65,6 +66,16 @@ def assert_same_state(opt, ref, where):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: state {index} {key}"
 
 
+def assert_close_state(opt, ref, where):
+    """With clipping: the same keys, values within a few roundings (one rounding of each gradient differs)."""
+    mine, theirs = opt.optim.state_dict()["state"], ref.optim.state_dict()["state"]
+    assert mine.keys() == theirs.keys(), where
+    for index in mine:
+        assert torch.equal(mine[index]["step"], theirs[index]["step"]), f"{where}: state {index} step"
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(mine[index][key], theirs[index][key], rtol=1e-4, atol=1e-9, msg=where)
+
+
 def parity_body(rank, world_size):
     for stage, dtype, inner, clip in CASES:
         where = f"W={world_size} stage {stage} {dtype} {inner} clip {clip}"
@@ -80,8 +91,15 @@ def parity_body(rank, world_size):
             paths = (opt.host_step.last_path, ref.host_step.last_path)
             assert paths == (("ours", "torch") if step < 3 else ("torch", "ours")), f"{where} step {step}: {paths}"
             for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
-                assert torch.equal(p, q), f"{where} step {step} param {i}"
-            assert_same_state(opt, ref, f"{where} step {step}")
+                if clip == 0.0:
+                    assert torch.equal(p, q), f"{where} step {step} param {i}"
+                else:  # one ulp of the 16-bit params where the fp32 masters round across a boundary
+                    rtol = 1e-5 if dtype is torch.float32 else 1e-2
+                    torch.testing.assert_close(p, q, rtol=rtol, atol=1e-6, msg=f"{where} step {step} param {i}")
+            if clip == 0.0:
+                assert_same_state(opt, ref, f"{where} step {step}")
+            else:
+                assert_close_state(opt, ref, f"{where} step {step}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

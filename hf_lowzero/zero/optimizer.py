@@ -115,7 +115,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
         self._pending_norm = None  # (grad_version, reduced chunks, verdict) of this step
-        self._factor = StepFactor(self.optim, host_rows=self.config.offload_optimizer)
+        self._factor = StepFactor(self.optim, host_rows=self.config.offload_optimizer, host_step=parts.host_step)
         if self.config.offload_optimizer and self.rank == 0:  # its cores: the worker's (Ray: --cpus-per-worker)
             logger.info("[hf_lowzero] offload: the host step uses %d threads", torch.get_num_threads())
 

@@ -18,8 +18,11 @@ Example::
 # step with a gradient and incremented by the kernel as torch increments them, so ``state_dict()``,
 # checkpoints and resuming are unchanged and a run can switch between the two paths at any step. A
 # param whose ``.grad`` is None (used on no rank, [Note: inner params]) is not stepped and gets no
-# state, as with torch; its rows are only copied into the 16-bit copy. The gradient rows are divided
-# by ``grad_scale`` in the kernel but not written back (the step discards them).
+# state, as with torch; its rows are only copied into the 16-bit copy. The step's unscale-and-clip
+# factor ([Note: one multiply]) comes as ``grad_factor``, set by ``StepFactor`` for the step: the
+# kernel multiplies each gradient by it as it reads it, one rounding as the device path's multiply of
+# the rows (a power of two, the fp16 loss scale without clipping, gives the bits of torch's divide by
+# ``grad_scale``); the gradient rows are not written back (the step discards them).
 #
 # Chunks are buckets, in the order the gather issues them: after the kernel finished a chunk,
 # ``after_chunk(bucket index)`` starts its copy to the device while the host steps the next.
@@ -83,6 +86,7 @@ class HostAdamStep:
     ) -> None:
         self.optimizer, self.chunks, self.kernel, self.copy = optimizer, chunks, kernel, copy
         self.last_path = "torch"  # which path the last step took: "ours" or "torch" (for tests, benchmarks)
+        self.grad_factor: float | None = None  # this step's factor, set by StepFactor for the step
         self._checked: dict[int, tuple] = {}  # id(inner param) -> weak refs of the tensors last found fine
 
     def why_not(self) -> str | None:
@@ -127,13 +131,17 @@ class HostAdamStep:
             self.last_path = "torch"
             if self.copy is not None:
                 self.copy.fresh = False
+            if self.grad_factor is not None:  # promised to the kernel, so applied here for torch's step
+                grads = [p.grad for chunk in self.chunks for p in chunk.params if p.grad is not None]
+                torch._foreach_mul_(grads, self.grad_factor)
             return False
         hyper_of = {}
         for group in self.optimizer.param_groups:
             hyper = _hyper(group, type(self.optimizer) is torch.optim.AdamW)
             for param in group["params"]:
                 hyper_of[param] = hyper
-        grad_scale = getattr(self.optimizer, "grad_scale", None)
+        grad_factor = self.grad_factor
+        grad_scale = None if grad_factor is not None else getattr(self.optimizer, "grad_scale", None)
         threads = torch.get_num_threads()
         kernel = TorchFusedKernel() if self._simulated() else self.kernel
         if self.copy is not None:
@@ -142,7 +150,10 @@ class HostAdamStep:
             tensors = [self._tensors(p, chunk.outs[i] if chunk.outs else None) for i, p in enumerate(chunk.params)]
             chosen = [(t, hyper_of[p]) for t, p in zip(tensors, chunk.params) if t is not None]
             if chosen:
-                kernel.step([t for t, _ in chosen], [h for _, h in chosen], grad_scale=grad_scale, threads=threads)
+                kernel.step(
+                    [t for t, _ in chosen], [h for _, h in chosen], grad_scale=grad_scale, threads=threads,
+                    grad_factor=grad_factor,
+                )
             if after_chunk is not None:
                 after_chunk(chunk.bucket_index)
         self.last_path = "ours"

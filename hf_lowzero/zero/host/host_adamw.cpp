@@ -10,7 +10,9 @@
 //
 // Beyond torch's kernel: gradients in bf16 or fp16 (promoted here, exactly), and an optional output
 // where the updated param is also written in bf16 or fp16, rounded to nearest even as `.to()` does.
-// The gradient is divided by `grad_scale` but not written back (the caller discards it).
+// The gradient is divided by `grad_scale` (torch's semantics), or multiplied by it (`scale_multiplies`:
+// the step's unscale-and-clip factor, one rounding as the multiply of the rows on the device), and is
+// not written back (the caller discards it).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,7 +57,9 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, a quiet NaN for Na
   return f != f ? uint16_t(0x7FC0) : rounded;
 }
 
-template <bool Decoupled, bool HasWd, bool HasScale>
+enum Scale : int { kNoScale = 0, kDivide = 1, kMultiply = 2 };
+
+template <bool Decoupled, bool HasWd, int ScaleMode>
 void vector_formula(float* __restrict p, const float* __restrict grad, float* __restrict m, float* __restrict v,
                     int64_t n, const Coefs& c, float scale, bool fused) {
   // locals, not c's fields: the stores below could alias them, which would stop vectorization
@@ -64,7 +68,8 @@ void vector_formula(float* __restrict p, const float* __restrict grad, float* __
   const float bc2_sqrt = c.bc2_sqrt, eps = c.eps, neg_step_size = c.neg_step_size;
   for (int64_t i = 0; i < n; ++i) {
     float g = grad[i];
-    if constexpr (HasScale) g = g / scale;
+    if constexpr (ScaleMode == kDivide) g = g / scale;
+    if constexpr (ScaleMode == kMultiply) g = g * scale;
     float param = p[i];
     if constexpr (HasWd) {
       if constexpr (Decoupled) param = param * decay;
@@ -117,10 +122,10 @@ inline void write_out(void* out, int32_t out_dtype, int64_t i, float value) {
 // torch's scalar tail, element by element (`fused`: with the FMAs its compiler formed)
 void scalar_formula(float* p, const void* grad, int32_t grad_dtype, float* m, float* v, void* out,
                     int32_t out_dtype, int64_t begin, int64_t end, const Coefs& c, const float* scale,
-                    bool fused) {
+                    bool multiplies, bool fused) {
   for (int64_t i = begin; i < end; ++i) {
     float g = load_grad(grad, i, grad_dtype);
-    if (scale) g = g / *scale;
+    if (scale) g = multiplies ? g * *scale : g / *scale;
     if (c.has_wd) {
       if (c.decoupled) p[i] = p[i] * c.decay;
       else g = fused ? std::fma(p[i], c.wd, g) : g + p[i] * c.wd;
@@ -145,20 +150,19 @@ void scalar_formula(float* p, const void* grad, int32_t grad_dtype, float* m, fl
 constexpr int64_t kPiece = 1024;  // a piece's 16-bit gradients and params convert while in L1
 
 void vector_piece(float* p, const float* grad, float* m, float* v, int64_t n, const Coefs& c, const float* scale,
-                  bool fused) {
+                  bool multiplies, bool fused) {
   const float s = scale ? *scale : 1.0f;
+  const int mode = scale == nullptr ? kNoScale : multiplies ? kMultiply : kDivide;
 #define HOST_ADAMW_CASE(D, W, S) \
-  if (c.decoupled == D && c.has_wd == W && (scale != nullptr) == S) \
-    return vector_formula<D, W, S>(p, grad, m, v, n, c, s, fused);
-  HOST_ADAMW_CASE(true, true, true) HOST_ADAMW_CASE(true, true, false)
-  HOST_ADAMW_CASE(true, false, true) HOST_ADAMW_CASE(true, false, false)
-  HOST_ADAMW_CASE(false, true, true) HOST_ADAMW_CASE(false, true, false)
-  HOST_ADAMW_CASE(false, false, true) HOST_ADAMW_CASE(false, false, false)
+  if (c.decoupled == D && c.has_wd == W && mode == S) return vector_formula<D, W, S>(p, grad, m, v, n, c, s, fused);
+#define HOST_ADAMW_CASES(D, W) HOST_ADAMW_CASE(D, W, kNoScale) HOST_ADAMW_CASE(D, W, kDivide) HOST_ADAMW_CASE(D, W, kMultiply)
+  HOST_ADAMW_CASES(true, true) HOST_ADAMW_CASES(true, false) HOST_ADAMW_CASES(false, true) HOST_ADAMW_CASES(false, false)
+#undef HOST_ADAMW_CASES
 #undef HOST_ADAMW_CASE
 }
 
 void vector_range(float* p, const void* grad, int32_t grad_dtype, float* m, float* v, void* out, int32_t out_dtype,
-                  int64_t begin, int64_t end, const Coefs& c, const float* scale, bool fused) {
+                  int64_t begin, int64_t end, const Coefs& c, const float* scale, bool multiplies, bool fused) {
   float widened[kPiece];
   for (int64_t at = begin; at < end; at += kPiece) {
     const int64_t n = end - at < kPiece ? end - at : kPiece;
@@ -166,7 +170,7 @@ void vector_range(float* p, const void* grad, int32_t grad_dtype, float* m, floa
     if (grad_dtype == kBFloat16) widen<kBFloat16>(static_cast<const uint16_t*>(grad) + at, widened, n);
     if (grad_dtype == kHalf) widen<kHalf>(static_cast<const _Float16*>(grad) + at, widened, n);
     if (grad_dtype != kFloat) g = widened;
-    vector_piece(p + at, g, m + at, v + at, n, c, scale, fused);
+    vector_piece(p + at, g, m + at, v + at, n, c, scale, multiplies, fused);
     if (out_dtype == kBFloat16) narrow<kBFloat16>(p + at, static_cast<uint16_t*>(out) + at, n);
     if (out_dtype == kHalf) narrow<kHalf>(p + at, static_cast<_Float16*>(out) + at, n);
   }
@@ -207,14 +211,15 @@ extern "C" {
 //   steps: torch's float32 step counters, incremented here for the updated tensors;
 //   hyper: 6 doubles per tensor (lr, beta1, beta2, eps, weight_decay, decoupled);
 //   outs: the params again in `out_dtype` (1 bf16, 2 fp16; 3: none, outs may be null);
-//   grad_scale: null, or the divisor of every gradient; tail_width: torch's Vec::size();
+//   grad_scale: null, or the divisor of every gradient (`scale_multiplies`: its multiplier);
+//   tail_width: torch's Vec::size();
 //   block: elements per task (a multiple of 64); threads: OpenMP threads.
 // Returns the number of elements stepped.
 int64_t host_adam_step(int64_t count, float* const* params, const void* const* grads, int32_t grad_dtype,
                        float* const* exp_avgs, float* const* exp_avg_sqs, float* const* steps,
                        const int64_t* numels, const double* hyper, const uint8_t* update, void* const* outs,
-                       int32_t out_dtype, const float* grad_scale, int64_t tail_width, int32_t fused,
-                       int64_t block, int32_t threads) {
+                       int32_t out_dtype, const float* grad_scale, int32_t scale_multiplies, int64_t tail_width,
+                       int32_t fused, int64_t block, int32_t threads) {
   std::vector<Coefs> coefs(count);
   std::vector<int64_t> first_task(count + 1, 0);
   int64_t stepped = 0;
@@ -249,11 +254,11 @@ int64_t host_adam_step(int64_t count, float* const* params, const void* const* g
     const int64_t vector_end = end < tail ? end : tail;
     if (begin < vector_end)
       vector_range(params[t], grads[t], grad_dtype, exp_avgs[t], exp_avg_sqs[t], out, out_dtype, begin,
-                   vector_end, c, grad_scale, fused != 0);
+                   vector_end, c, grad_scale, scale_multiplies != 0, fused != 0);
     const int64_t scalar_begin = begin > tail ? begin : tail;
     if (scalar_begin < end)
       scalar_formula(params[t], grads[t], grad_dtype, exp_avgs[t], exp_avg_sqs[t], out, out_dtype, scalar_begin,
-                     end, c, grad_scale, fused != 0);
+                     end, c, grad_scale, scale_multiplies != 0, fused != 0);
   }
   return stepped;
 }

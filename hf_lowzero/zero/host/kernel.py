@@ -89,8 +89,8 @@ class HostAdamKernel:
         pointers = ctypes.c_void_p
         fn.argtypes = [
             ctypes.c_int64, pointers, pointers, ctypes.c_int32, pointers, pointers, pointers, pointers, pointers,
-            pointers, pointers, ctypes.c_int32, pointers, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64,
-            ctypes.c_int32,
+            pointers, pointers, ctypes.c_int32, pointers, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32,
+            ctypes.c_int64, ctypes.c_int32,
         ]  # fmt: skip
         fn.restype = ctypes.c_int64
         self._fn = fn
@@ -102,10 +102,12 @@ class HostAdamKernel:
         *,
         grad_scale: torch.Tensor | None,
         threads: int,
+        grad_factor: float | None = None,
     ) -> int:
         """One step of every tensor (``hyper[i]`` for ``tensors[i]``). Every ``grad`` given has one
         dtype, every ``out`` one dtype. ``grad_scale``: a float32 scalar tensor every gradient is
-        divided by (torch's ``grad_scale``; the gradients are not written back). Returns the elements
+        divided by (torch's ``grad_scale``; the gradients are not written back); or ``grad_factor``:
+        a number every gradient is multiplied by instead (not both). Returns the elements
         stepped. Checks nothing: the caller passes tensors as described (``HostAdamStep`` does)."""
         count = len(tensors)
         if count == 0:
@@ -114,7 +116,11 @@ class HostAdamKernel:
         outs = [t.out for t in tensors if t.out is not None]
         grad_code = DTYPE_CODES[grads[0].dtype] if grads else 0
         out_code = DTYPE_CODES[outs[0].dtype] if outs else NO_OUT
+        if grad_scale is not None and grad_factor is not None:
+            raise ValueError("give grad_scale (a divisor) or grad_factor (a multiplier), not both")
         scale = grad_scale.detach().to(torch.float32).reshape(()) if grad_scale is not None else None
+        if grad_factor is not None:
+            scale = torch.tensor(grad_factor, dtype=torch.float32)
 
         def ptrs(values) -> ctypes.Array:
             return (ctypes.c_void_p * count)(*values)
@@ -129,7 +135,7 @@ class HostAdamKernel:
             count, ptrs(ptr(t.param) for t in tensors), ptrs(ptr(t.grad) for t in tensors), grad_code,
             ptrs(ptr(t.exp_avg) for t in tensors), ptrs(ptr(t.exp_avg_sq) for t in tensors),
             ptrs(ptr(t.step) for t in tensors), numels, rows, update, ptrs(ptr(t.out) for t in tensors), out_code,
-            ptr(scale), self.rounding.tail_width, int(self.rounding.fused), BLOCK, max(1, threads),
+            ptr(scale), int(grad_factor is not None), self.rounding.tail_width, int(self.rounding.fused), BLOCK, max(1, threads),
         )  # fmt: skip
 
 
@@ -139,8 +145,12 @@ class TorchFusedKernel:
     (``hf_lowzero.simulation``). It reads and writes what ours does, chunk by chunk, so the
     simulation checks the same order of host writes and copies; the 16-bit copy is a cast."""
 
-    def step(self, tensors: list[AdamTensors], hyper: list[AdamHyper], *, grad_scale, threads: int) -> int:
+    def step(
+        self, tensors: list[AdamTensors], hyper: list[AdamHyper], *, grad_scale, threads: int, grad_factor=None
+    ) -> int:
         stepped = [(t, h) for t, h in zip(tensors, hyper) if t.grad is not None]
+        if grad_factor is not None:  # the multiply ours does as it reads
+            torch._foreach_mul_([t.grad for t, _ in stepped], grad_factor)
         for same in dict.fromkeys(h for _, h in stepped):
             group = [t for t, h in stepped if h == same]
             torch._foreach_add_([t.step for t in group], 1)
