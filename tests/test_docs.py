@@ -266,7 +266,7 @@ def test_no_markup_shows_through_on_any_page(tmp_path):
 # ------------------------------------------------------------------ reading
 
 
-PARAGRAPH_WORDS = 100  # the guides aim at 80; a paragraph past 100 wants a list, a table or a heading
+PARAGRAPH_WORDS = 80  # a paragraph past 80 words wants a list, a table or a heading
 NOT_YET_REWRITTEN: set[str] = set()  # pages not rewritten for reading yet: none left
 
 
