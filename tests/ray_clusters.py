@@ -18,6 +18,15 @@ def add_slot_node(cluster: Cluster):
     return cluster.add_node(num_cpus=1, resources={"worker_slot": 1})
 
 
+def with_slots(cluster: Cluster, n: int) -> None:
+    """Exactly ``n`` worker nodes in ``cluster.slot_nodes``, fresh ones added as needed."""
+    while len(cluster.slot_nodes) > n:
+        cluster.remove_node(cluster.slot_nodes.pop())
+    while len(cluster.slot_nodes) < n:
+        cluster.slot_nodes.append(add_slot_node(cluster))
+    cluster.wait_for_nodes()
+
+
 @contextlib.contextmanager
 def slot_cluster(worker_nodes: int) -> Iterator[tuple[Cluster, list]]:
     """``(cluster, nodes)``: the connected cluster and its ``worker_nodes`` worker nodes (a list the

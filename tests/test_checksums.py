@@ -81,11 +81,7 @@ def _step(bucket, grads, checkers, comm_dtype=None, faults=()):
     Returns the finding (rank 0's; every rank judges alike) or raises ``IntegrityError``."""
     world_size = len(checkers)
     flats = _packed(bucket, grads, world_size, comm_dtype)
-    sent = [f.clone() for f in flats]
-    for kind, src, name in faults:
-        for dst in range(world_size):
-            a, b = _piece(bucket, world_size, dst, name)
-            sent[src][a:b] *= {"drop": 0, "double": 2}.get(kind, 1)
+    sent = sent_with_faults(bucket, flats, faults)
     total = sent[0].clone()
     for f in sent[1:]:
         total += f  # in the communication dtype, rounding at every add, as a ring does
@@ -99,12 +95,7 @@ def _step(bucket, grads, checkers, comm_dtype=None, faults=()):
                 # as a flipped high exponent bit would: far beyond a bf16 reduction's bound as well
                 rows[_piece(bucket, world_size, rank, name)[0] - start] = 1e3 * (1.0 + rows.abs().max())
         checker.after_reduce(bucket, rows)
-    table = torch.stack([c.payload() for c in checkers])
-    try:
-        return checkers[0].verify_judge(table)
-    finally:
-        for checker in checkers:
-            checker.end_step(skipped_nonfinite=False)
+    return judged(checkers)
 
 
 def _grads(bucket, world_size, seed, integers=False, spread=True):
@@ -352,3 +343,25 @@ def test_the_hooks_make_no_host_sync(monkeypatch):
         checker.after_pack(bucket, flats[0])
         checker.after_reduce(bucket, flats[0][: bucket.row_numel].clone())
     assert reads.seen == []
+
+
+def judged(checkers):
+    """Every rank's table of a verify step, judged as the step judges it; the checkers' step ended."""
+    table = torch.stack([c.payload() for c in checkers])
+    try:
+        return checkers[0].verify_judge(table)
+    finally:
+        for checker in checkers:
+            checker.end_step(skipped_nonfinite=False)
+
+
+def sent_with_faults(bucket, flats, faults):
+    """What each rank sends (``flats``, one packed bucket per rank) once the "drop" and "double"
+    faults of ``faults`` ((kind, rank, param name) each) have changed the senders' pieces."""
+    world_size = len(flats)
+    sent = [f.clone() for f in flats]
+    for kind, src, name in faults:
+        for dst in range(world_size):
+            a, b = _piece(bucket, world_size, dst, name)
+            sent[src][a:b] *= {"drop": 0, "double": 2}.get(kind, 1)
+    return sent

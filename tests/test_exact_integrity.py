@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_lowzero import IntegrityError, LowLevelZeroOptimizer, ZeroConfig, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.integrity.checker import IntegrityChecker
+from hf_lowzero.zero.integrity.checksums import HASH_WIDTH
 from hf_lowzero.zero.integrity.reduction_faults import Fault, inject
 from tests.models import BranchyNet, make_inner
-from hf_lowzero.zero.integrity.checksums import HASH_WIDTH
-from tests.test_checksums import _bucket, _piece, _shard
+from tests.test_checksums import _bucket, _piece, _shard, judged, sent_with_faults
 from tests.test_exact_reduction import GLOBAL, micro_batch, usage
 
 # ------------------------------------------------------------------- the arithmetic, in one process
@@ -54,11 +54,7 @@ def _step(bucket, flats, checkers, faults=()):
     contribution on its way, "bit" (+-1 in the last bit of one element) or "swap" (two elements) in
     the owner's reduced rows. Returns the finding or raises ``IntegrityError``."""
     world_size = len(checkers)
-    sent = [f.clone() for f in flats]
-    for kind, src, name in faults:
-        for dst in range(world_size):
-            a, b = _piece(bucket, world_size, dst, name)
-            sent[src][a:b] *= {"drop": 0, "double": 2}.get(kind, 1)
+    sent = sent_with_faults(bucket, flats, faults)
     total = sum(sent[1:], sent[0].clone())  # int64: wraps, as the SUM collective does
     for rank, checker in enumerate(checkers):
         checker.begin_step()
@@ -73,12 +69,7 @@ def _step(bucket, flats, checkers, faults=()):
                 else:
                     rows[[at, at + 1]] = rows[[at + 1, at]]
         checker.after_reduce(bucket, rows)
-    table = torch.stack([c.payload() for c in checkers])
-    try:
-        return checkers[0].verify_judge(table)
-    finally:
-        for checker in checkers:
-            checker.end_step(skipped_nonfinite=False)
+    return judged(checkers)
 
 
 @pytest.mark.parametrize("whole", [False, True])

@@ -27,6 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa: E402
 from tests import ray_clusters  # noqa: E402
+from tests.ray_clusters import with_slots  # noqa: E402
 from tests.ray_holds import HOLD_TIMEOUT_S, HoldAt, final_tensors, loss_curve, wait_for, zero_metadata  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
@@ -59,15 +60,6 @@ def config(name: str, tmp_path, model: tuple[str, str], **overrides) -> RayFinet
                   num_to_keep=STEPS // SAVE, resources_per_worker='{"worker_slot": 1}', storage_path=str(tmp_path),
                   name=name, resize_check_interval_s=1)  # fmt: skip
     return RayFinetuneConfig(**(fields | overrides))
-
-
-def with_slots(cluster, n: int) -> None:
-    """Exactly ``n`` worker nodes, fresh ones added as needed."""
-    while len(cluster.slot_nodes) > n:
-        cluster.remove_node(cluster.slot_nodes.pop())
-    while len(cluster.slot_nodes) < n:
-        cluster.slot_nodes.append(ray_clusters.add_slot_node(cluster))
-    cluster.wait_for_nodes()
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,16 @@ divides by its inverse, as ``grad_scale``), stage 1 and 2, fp32/bf16/fp16
 params, accumulation and unused params, W = 1 and 2; and a run switches between the two paths
 ([Note: our kernel in torch's place] in ``hf_lowzero/zero/host/adam_step.py``)."""
 
-import contextlib
-
 import pytest
 import torch
-from torch.nn.functional import mse_loss
 
 from hf_lowzero import LowLevelZeroOptimizer
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.zero.host.kernel import host_kernel
 from hf_lowzero.zero.runtime import native
-from tests.models import BranchyNet, batch, param_groups
+from tests.models import BranchyNet, param_groups
+from tests.test_offload import train_step  # the same accumulation, unused branches and stage-1 no_sync
 
-MICRO = 2
 CASES = [  # stage, params' dtype, inner, clip
     (1, torch.float32, "adamw", 0.0),
     (2, torch.float32, "adam", 0.05),
@@ -37,18 +34,6 @@ def build(stage, dtype, inner, clip):
         offload_optimizer=True, **fp16,
     )  # fmt: skip
     return model, opt
-
-
-def train_step(model, opt, rank, step, dtype):
-    for micro in range(MICRO):  # accumulation; branch_a/branch_b used by some ranks only, never by none
-        x, y = (t.to(dtype) for t in batch(rank, step, micro))
-        use_a, use_b = (rank + step) % 2 == 0, (rank + micro) % 3 != 0
-        local = opt.no_sync() if opt.config.stage == 1 and micro < MICRO - 1 else contextlib.nullcontext()
-        with local:
-            opt.backward(mse_loss(model(x, use_a, use_b), y) / MICRO)
-    opt.step()
-    opt.zero_grad()
-    opt.wait_for_params()
 
 
 def torch_path(opt):

@@ -46,6 +46,7 @@ from hf_lowzero.snapshot.protocol import HeldStep, StepMarks  # noqa: E402
 from hf_lowzero.snapshot.segments import run_folders  # noqa: E402
 from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
+from tests.ray_clusters import with_slots  # noqa: E402
 
 pytestmark = pytest.mark.slow  # long Ray runs: the second tier (README, .ci/run)
 STEPS, SAVE, KILL_AT = 10, 4, 6
@@ -59,15 +60,6 @@ def cluster():
     with ray_clusters.slot_cluster(0) as (cluster, nodes):
         cluster.slot_nodes = nodes
         yield cluster
-
-
-def with_slots(cluster, n: int) -> None:
-    """Exactly ``n`` worker nodes, fresh ones added as needed."""
-    while len(cluster.slot_nodes) > n:
-        cluster.remove_node(cluster.slot_nodes.pop())
-    while len(cluster.slot_nodes) < n:
-        cluster.slot_nodes.append(ray_clusters.add_slot_node(cluster))
-    cluster.wait_for_nodes()
 
 
 def config(name: str, tmp_path: Path, model: tuple[str, str], **overrides) -> RayFinetuneConfig:
