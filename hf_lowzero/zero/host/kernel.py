@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,20 +168,11 @@ class TorchFusedKernel:
         return sum(t.param.numel() for t, _ in stepped)
 
 
-_kernel: list[HostAdamKernel | native.NativeUnavailable] = []
-
-
+@functools.cache
 def host_kernel() -> HostAdamKernel | native.NativeUnavailable:
     """The kernel, compiled and checked against torch's fused one on first use ([Note: rounding as
-    torch's fused Adam]), or why not. Memoized per process."""
-    if not _kernel:
-        _kernel.append(_make())
-        if isinstance(_kernel[0], native.NativeUnavailable):
-            logger.info("[hf_lowzero] our host AdamW kernel is not used: %s", _kernel[0].why)
-    return _kernel[0]
-
-
-def _make() -> HostAdamKernel | native.NativeUnavailable:
+    torch's fused Adam]), or why not. Memoized per process; a build that fails is logged by
+    ``native.load``, a kernel that rounds otherwise than torch's here is logged once here."""
     library = native.load(SOURCE, FLAGS)
     if isinstance(library, native.NativeUnavailable):
         return library
@@ -188,7 +180,9 @@ def _make() -> HostAdamKernel | native.NativeUnavailable:
         kernel = HostAdamKernel(library, rounding)
         if rounds_as_torch(kernel):
             return kernel
-    return native.NativeUnavailable("it does not round as torch's fused CPU Adam on this machine and torch build")
+    why = native.NativeUnavailable("it does not round as torch's fused CPU Adam on this machine and torch build")
+    logger.info("[hf_lowzero] our host AdamW kernel is not used: %s", why.why)
+    return why
 
 
 PROBE_SIZES = (*range(1, 41), 100)
