@@ -151,7 +151,10 @@ class HostAdamStep:
             chosen = [(t, hyper_of[p]) for t, p in zip(tensors, chunk.params) if t is not None]
             if chosen:
                 kernel.step(
-                    [t for t, _ in chosen], [h for _, h in chosen], grad_scale=grad_scale, threads=threads,
+                    [t for t, _ in chosen],
+                    [h for _, h in chosen],
+                    grad_scale=grad_scale,
+                    threads=threads,
                     grad_factor=grad_factor,
                 )
             if after_chunk is not None:

@@ -136,7 +136,8 @@ class HostAdamKernel:
             count, ptrs(ptr(t.param) for t in tensors), ptrs(ptr(t.grad) for t in tensors), grad_code,
             ptrs(ptr(t.exp_avg) for t in tensors), ptrs(ptr(t.exp_avg_sq) for t in tensors),
             ptrs(ptr(t.step) for t in tensors), numels, rows, update, ptrs(ptr(t.out) for t in tensors), out_code,
-            ptr(scale), int(grad_factor is not None), self.rounding.tail_width, int(self.rounding.fused), BLOCK, max(1, threads),
+            ptr(scale), int(grad_factor is not None), self.rounding.tail_width, int(self.rounding.fused),
+            BLOCK, max(1, threads),
         )  # fmt: skip
 
 
