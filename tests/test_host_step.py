@@ -127,3 +127,27 @@ def fallback_body(rank, world_size):
 
 def test_where_ours_would_not_be_exact_torchs_step_runs():
     run_distributed(fallback_body, 1)
+
+
+def narrow_rows_body(rank, world_size):
+    """[Note: 16-bit rows]: bf16 reductions that get one contribution a step (stage 1) are stepped
+    from the bf16 rows themselves; the fp32 rows the inner params' ``.grad`` view are never
+    written (no widening pass), yet the bits are those of torch's step, which widens them first."""
+    (model, opt), (ref_model, ref) = build(1, torch.bfloat16, "adamw", 0.0), build(1, torch.bfloat16, "adamw", 0.0)
+    torch_path(ref)
+    for step in range(3):
+        train_step(model, opt, rank, step, torch.bfloat16)
+        train_step(ref_model, ref, rank, step, torch.bfloat16)
+        assert (opt.host_step.last_path, ref.host_step.last_path) == ("ours", "torch")
+        assert not opt.reducer.store.flat.any(), "our step widened the bf16 rows into the fp32 rows"
+        assert ref.reducer.store.flat.any(), "torch's step read fp32 rows that were never written"
+        for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+            assert torch.equal(p, q), f"step {step} param {i}"
+        assert_same_state(opt, ref, f"step {step}")
+
+
+def test_sixteen_bit_rows_are_stepped_as_they_came():
+    kernel = host_kernel()
+    if isinstance(kernel, native.NativeUnavailable):
+        pytest.skip(kernel.why)
+    run_distributed(narrow_rows_body, 2)

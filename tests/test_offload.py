@@ -143,7 +143,7 @@ def fused_adamw_step(grad, factor_in_kernel, coef):
     row.grad = grad.clone()
     inner = torch.optim.AdamW([row], lr=1e-2, fused=True)
     factor = StepFactor(inner, host_rows=factor_in_kernel)
-    with factor.applied([row.grad], coef):
+    with factor.applied([row.grad], coef, host_kernel=False):
         inner.step()
     assert not hasattr(inner, "grad_scale")  # only for that step
     return row

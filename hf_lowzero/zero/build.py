@@ -110,8 +110,9 @@ def build_parts(
     )
     host_step = None  # [Note: our kernel in torch's place]: offloaded fp32 masters
     if offload and not exact and isinstance(precision, FullPrecisionMasters):
+        pin_rows = pin and dev.is_cuda(device)
         host_step = make_host_step(
-            optimizer, slots, buckets, precision.inner_params, master.flat, pin=pin and dev.is_cuda(device)
+            optimizer, slots, buckets, precision.inner_params, master.flat, pin=pin_rows, rows=store
         )
     gather = ParamGather(
         slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard,

@@ -223,7 +223,10 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         # [Note: one multiply] unscaling and clipping are one factor applied once to each row,
         # inside the host kernel where it takes it ([Note: the factor in the kernel]).
         coef = unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale)
-        with self._factor.applied(reduced, coef):
+        ours = self.host_step is not None and self.host_step.why_not() is None
+        if not ours and self.reducer.store.widen_all():  # [Note: 16-bit rows]: torch's step reads fp32 rows
+            reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
+        with self._factor.applied(reduced, coef, host_kernel=ours):
             self.apply_update(verdict.used)
         self.scaler.update(overflow=False)
         self.counts.consecutive = 0
@@ -253,6 +256,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         with record_function("hf_lowzero::inner_step"), parts.precision.stepping(), dev.phase("inner_step"):
             # [Note: our kernel in torch's place]; each bucket's rows leave as stepped ([Note: rows sent as stepped])
             if parts.host_step is None or not parts.host_step.step(after_chunk=parts.gather.upload):
+                self.reducer.store.widen_all()  # [Note: 16-bit rows] (a no-op when already widened)
                 self.optim.step()  # whatever it syncs is its own, as without ZeRO (torch's Adafactor reads its step)
         with record_function("hf_lowzero::all_gather_issue"):
             parts.gather.issue()

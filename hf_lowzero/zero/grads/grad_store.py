@@ -37,6 +37,16 @@ Example::
 # bucket, then over buckets), so a clipped step differs from before at the norm's last bits and
 # an unclipped one not at all; a non-finite total still goes to the float64 recount over the host
 # rows ([Note: blocked norm] in ``norm.py``).
+
+# [Note: 16-bit rows]
+# A bucket reduced in 16 bits (bf16/fp16 communication) that gets one contribution in a step is
+# kept as it came: its staging buffer is not widened into the fp32 chunk. ``rows`` hands out that
+# 16-bit buffer, and our host kernel promotes each element as it steps it ([Note: our kernel in
+# torch's place] in ``host/adam_step.py``), so the step makes no pass of its own over the rows. A
+# widening is exact, so every reader that needs fp32 gets the same numbers, later: ``chunk``
+# widens its bucket first, ``widen_all`` every bucket (before torch's step or a multiply of the
+# rows), and a second contribution widens the first before it is added, the same additions in the
+# same order as before.
 """
 
 from __future__ import annotations
@@ -82,7 +92,20 @@ class DeviceGradStore:
         chunk.copy_(reduced) if first else chunk.add_(reduced)
 
     def chunk(self, bucket: Bucket) -> torch.Tensor:
+        """``bucket``'s rows in fp32."""
         return self.view(bucket)
+
+    def rows(self, bucket: Bucket) -> torch.Tensor:
+        """``bucket``'s rows as held: fp32, or in 16 bits where kept so ([Note: 16-bit rows])."""
+        return self.view(bucket)
+
+    def narrow(self, index: int) -> torch.Tensor | None:
+        """Bucket ``index``'s rows where held in 16 bits ([Note: 16-bit rows]), else None."""
+        return None
+
+    def widen_all(self) -> bool:
+        """Every bucket's rows in fp32 from here on; whether any was held in 16 bits."""
+        return False
 
     def taken_square(self, bucket: Bucket) -> torch.Tensor | None:
         """The squared norm of ``bucket``'s chunk if already taken ([Note: the norm before the copy]),
@@ -112,6 +135,7 @@ class HostGradStore(DeviceGradStore):
         self._pending: dict[int, list[_Copy]] = {}  # bucket index -> its copies not yet added, in order
         self._last = None  # the event of the newest copy: every earlier one completed before it
         self._squares: dict[int, torch.Tensor] = {}  # bucket index -> its one contribution's squared norm
+        self._narrow: dict[int, torch.Tensor] = {}  # bucket index -> its one contribution, kept in 16 bits
 
     def direct_target(self, bucket: Bucket, dtype: torch.dtype, first: bool) -> torch.Tensor | None:
         # On CPU the host chunk are the device's memory: reduce straight into them.
@@ -128,6 +152,8 @@ class HostGradStore(DeviceGradStore):
             return  # the collective wrote into the chunk (direct_target: CPU, fp32, first contribution)
         pending = self._pending.setdefault(bucket.index, [])
         self._settle(bucket.index, wait=False)  # copies of earlier micro-batches that already landed
+        if not first:
+            self._widen(bucket.index)  # its staging buffer is free for this contribution
         # An fp32 first contribution lands in the host chunk directly; anything to add is staged.
         direct = first and reduced.dtype == GRAD_DTYPE
         target = chunk if direct else self._staging_for(bucket, reduced.dtype)
@@ -162,14 +188,41 @@ class HostGradStore(DeviceGradStore):
         pending = self._pending.get(index)
         while pending and (wait or pending[0].event is None or dev.event_done(pending[0].event)):
             copy = pending.pop(0)
-            if copy.staging is not None:
-                chunk = self.view(self._buckets[index])
-                chunk.copy_(copy.staging) if copy.first else chunk.add_(copy.staging)
-                self._free.setdefault(index, []).append(copy.staging)
+            if copy.staging is None:
+                continue  # landed in the chunk itself
+            if copy.first:  # a first contribution is staged only when it is not fp32: kept so
+                self._narrow[index] = copy.staging
+                continue
+            self._widen(index)
+            self.view(self._buckets[index]).add_(copy.staging)
+            self._free.setdefault(index, []).append(copy.staging)
+
+    def _widen(self, index: int) -> None:
+        narrow = self._narrow.pop(index, None)
+        if narrow is not None:
+            self.view(self._buckets[index]).copy_(narrow)
+            self._free.setdefault(index, []).append(narrow)
 
     def chunk(self, bucket: Bucket) -> torch.Tensor:
         self.settle_all()
+        self._widen(bucket.index)
         return self.view(bucket)
+
+    def rows(self, bucket: Bucket) -> torch.Tensor:
+        self.settle_all()
+        narrow = self._narrow.get(bucket.index)
+        return self.view(bucket) if narrow is None else narrow
+
+    def narrow(self, index: int) -> torch.Tensor | None:
+        self.settle_all()
+        return self._narrow.get(index)
+
+    def widen_all(self) -> bool:
+        self.settle_all()
+        held = bool(self._narrow)
+        for index in list(self._narrow):
+            self._widen(index)
+        return held
 
     def settle_all(self) -> None:
         """Every copy landed and added: one host wait for the newest (the step's; [Note: host copies])."""
@@ -184,6 +237,7 @@ class HostGradStore(DeviceGradStore):
 
     def clear(self) -> None:
         self._squares.clear()
+        self._narrow.clear()
         if any(self._pending.values()):
             dev.host_waits(self._last)  # a staging buffer may be written again only after its copy
         self._pending.clear()

@@ -163,8 +163,9 @@ class BucketReducer:
         self.holds[bucket.index] = True
 
     def reduced(self, bucket: Bucket) -> torch.Tensor | None:
-        """This rank's averaged gradient chunk of ``bucket`` (1D fp32, ``row_numel``), or None."""
-        return self.store.chunk(bucket) if self.holds[bucket.index] else None
+        """This rank's averaged gradient chunk of ``bucket`` (1D, ``row_numel``), or None: fp32, or
+        the communication dtype where the store keeps it so ([Note: 16-bit rows] in ``grad_store.py``)."""
+        return self.store.rows(bucket) if self.holds[bucket.index] else None
 
     def buffer_bytes(self) -> Counter:
         """Bytes of gradient storage right now, per device: the store (and host staging)."""

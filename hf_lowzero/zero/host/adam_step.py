@@ -2,7 +2,7 @@
 
 Example::
 
-    host_step = make_host_step(inner_optimizer, slots, buckets, inner_params, master.flat, pin=True)
+    host_step = make_host_step(inner_optimizer, slots, buckets, inner_params, master.flat, pin=True, rows=store)
     if not host_step.step(after_chunk=gather.upload):   # False: torch's own step must run
         inner_optimizer.step()
 
@@ -22,7 +22,11 @@ Example::
 # factor ([Note: one multiply]) comes as ``grad_factor``, set by ``StepFactor`` for the step: the
 # kernel multiplies each gradient by it as it reads it, one rounding as the device path's multiply of
 # the rows (a power of two, the fp16 loss scale without clipping, gives the bits of torch's divide by
-# ``grad_scale``); the gradient rows are not written back (the step discards them).
+# ``grad_scale``); the gradient rows are not written back (the step discards them). A bucket whose
+# gradient rows the store holds in 16 bits ([Note: 16-bit rows] in ``grads/grad_store.py``) is
+# stepped from those: the kernel promotes each element as it reads it (exact), so the fp32 rows the
+# inner params' ``.grad`` view are neither written nor read. When torch's step runs instead, the
+# store widens every bucket into those fp32 rows first.
 #
 # Chunks are buckets, in the order the gather issues them: after the kernel finished a chunk,
 # ``after_chunk(bucket index)`` starts its copy to the device while the host steps the next.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -53,12 +58,25 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
+class GradRows(Protocol):
+    """Where a step finds the gradient rows held in 16 bits (the offloaded gradient store:
+    [Note: 16-bit rows] in ``grads/grad_store.py``)."""
+
+    def narrow(self, index: int) -> torch.Tensor | None:
+        """Bucket ``index``'s rows (1D) where held in 16 bits, else None: the params' ``.grad``."""
+
+    def widen_all(self) -> bool:
+        """Every bucket's rows into the fp32 rows the params' ``.grad`` view."""
+
+
 @dataclass(frozen=True, eq=False)
 class Chunk:
-    """A bucket's inner params and, where the params' 16-bit copy is kept, their views of it."""
+    """A bucket's inner params, where each one's rows start in the bucket's rows, and, where the
+    params' 16-bit copy is kept, their views of it."""
 
     bucket_index: int
     params: tuple[torch.Tensor, ...]
+    starts: tuple[int, ...]  # per param: its first element in the bucket's rows
     outs: tuple[torch.Tensor, ...] | None  # same shapes as params, in the params' dtype; None: no copy
 
 
@@ -83,8 +101,9 @@ class HostAdamStep:
         *,
         kernel: HostAdamKernel | native.NativeUnavailable,
         copy: ParamCopy | None,
+        rows: GradRows | None = None,
     ) -> None:
-        self.optimizer, self.chunks, self.kernel, self.copy = optimizer, chunks, kernel, copy
+        self.optimizer, self.chunks, self.kernel, self.copy, self.rows = optimizer, chunks, kernel, copy, rows
         self.last_path = "torch"  # which path the last step took: "ours" or "torch" (for tests, benchmarks)
         self.grad_factor: float | None = None  # this step's factor, set by StepFactor for the step
         self._checked: dict[int, tuple] = {}  # id(inner param) -> weak refs of the tensors last found fine
@@ -131,6 +150,8 @@ class HostAdamStep:
             self.last_path = "torch"
             if self.copy is not None:
                 self.copy.fresh = False
+            if self.rows is not None:
+                self.rows.widen_all()  # torch's step reads the params' .grad: the fp32 rows
             if self.grad_factor is not None:  # promised to the kernel, so applied here for torch's step
                 grads = [p.grad for chunk in self.chunks for p in chunk.params if p.grad is not None]
                 torch._foreach_mul_(grads, self.grad_factor)
@@ -147,7 +168,11 @@ class HostAdamStep:
         if self.copy is not None:
             self.copy.fresh = True  # each chunk's part is written before after_chunk reads it
         for chunk in self.chunks:
-            tensors = [self._tensors(p, chunk.outs[i] if chunk.outs else None) for i, p in enumerate(chunk.params)]
+            narrow = self.rows.narrow(chunk.bucket_index) if self.rows is not None else None
+            tensors = [
+                self._tensors(p, chunk.outs[i] if chunk.outs else None, narrow, chunk.starts[i])
+                for i, p in enumerate(chunk.params)
+            ]
             chosen = [(t, hyper_of[p]) for t, p in zip(tensors, chunk.params) if t is not None]
             if chosen:
                 kernel.step(
@@ -162,17 +187,20 @@ class HostAdamStep:
         self.last_path = "ours"
         return True
 
-    def _tensors(self, param: torch.Tensor, out: torch.Tensor | None) -> AdamTensors | None:
+    def _tensors(
+        self, param: torch.Tensor, out: torch.Tensor | None, narrow: torch.Tensor | None, start: int
+    ) -> AdamTensors | None:
         if param.numel() == 0:
             return None
         if param.grad is None:  # not stepped, no state: only its 16-bit copy
             return None if out is None else AdamTensors(param, None, None, None, None, out)
+        grad = param.grad if narrow is None else narrow[start : start + param.numel()]  # [Note: 16-bit rows]
         state = self.optimizer.state[param]
         if len(state) == 0:  # as torch's Adam._init_group creates it for a fused group
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return AdamTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], out)
+        return AdamTensors(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], out)
 
 
 def _same(checked: tuple | None, tensors: tuple) -> bool:
@@ -227,11 +255,12 @@ def make_host_step(
     flat: torch.Tensor,
     *,
     pin: bool,
+    rows: GradRows | None = None,
 ) -> HostAdamStep:
     """The host step over offloaded fp32 master rows ``flat`` (``inner_params`` are views of it, per
     slot), chunked by bucket in the gather's order (reversed plan: the next forward's). The params'
     16-bit copy is kept when every bucket holds params of one 16-bit dtype and the inner params cover
-    the rows."""
+    the rows. ``rows``: the gradient store, where buckets may be held in 16 bits."""
     chunks, dtypes = [], {bucket.dtype for bucket in buckets}
     covered = sum(p.numel() for p in inner_params if p is not None) == flat.numel()
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
@@ -241,11 +270,12 @@ def make_host_step(
     for bucket in reversed(buckets):
         held = [(slot, inner_params[slot.index]) for slot in bucket.slots if inner_params[slot.index] is not None]
         outs = tuple(piece_view(copy.flat, slot).view(p.shape) for slot, p in held) if copy else None
-        chunks.append(Chunk(bucket.index, tuple(p for _, p in held), outs))
+        starts = tuple(slot.row_offset - bucket.row_offset for slot, _ in held)
+        chunks.append(Chunk(bucket.index, tuple(p for _, p in held), starts, outs))
     if type(optimizer) not in STEPPED_BY_US:
         kernel = native.NativeUnavailable("not Adam or AdamW")
     elif is_fake(flat):  # a simulation: nothing to compile or probe ([Note: our kernel in torch's place])
         kernel = native.NativeUnavailable("fake tensors")
     else:
         kernel = host_kernel()
-    return HostAdamStep(optimizer, chunks, kernel=kernel, copy=copy)
+    return HostAdamStep(optimizer, chunks, kernel=kernel, copy=copy, rows=rows)

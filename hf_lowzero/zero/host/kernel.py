@@ -151,14 +151,15 @@ class TorchFusedKernel:
         self, tensors: list[AdamTensors], hyper: list[AdamHyper], *, grad_scale, threads: int, grad_factor=None
     ) -> int:
         stepped = [(t, h) for t, h in zip(tensors, hyper) if t.grad is not None]
-        if grad_factor is not None:  # the multiply ours does as it reads
-            torch._foreach_mul_([t.grad for t, _ in stepped], grad_factor)
+        grads = {id(t): t.grad.float() for t, _ in stepped}  # promoted as ours does (16-bit rows: a copy)
+        if grad_factor is not None:  # the multiply ours does as it reads, in fp32
+            torch._foreach_mul_(list(grads.values()), grad_factor)
         for same in dict.fromkeys(h for _, h in stepped):
             group = [t for t, h in stepped if h == same]
             torch._foreach_add_([t.step for t in group], 1)
             fused = torch._fused_adamw_ if same.decoupled else torch._fused_adam_
             fused(
-                [t.param for t in group], [t.grad.float() for t in group], [t.exp_avg for t in group],
+                [t.param for t in group], [grads[id(t)] for t in group], [t.exp_avg for t in group],
                 [t.exp_avg_sq for t in group], [], [t.step for t in group], lr=same.lr, beta1=same.betas[0],
                 beta2=same.betas[1], weight_decay=same.weight_decay, eps=same.eps, amsgrad=False, maximize=False,
                 grad_scale=grad_scale, found_inf=None,

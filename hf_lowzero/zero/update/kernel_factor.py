@@ -3,7 +3,8 @@
 Example::
 
     factor = StepFactor(inner_optimizer, host_rows=True, host_step=host_step)   # offloaded rows
-    with factor.applied(reduced_chunks, coef):   # our kernel's factor, torch's grad_scale, or a multiply
+    with factor.applied(reduced_chunks, coef, host_kernel=host_step.why_not() is None):
+        # our kernel's factor, torch's grad_scale, or a multiply
         inner_optimizer.step()
 
 # [Note: the factor in the kernel]
@@ -53,10 +54,11 @@ class StepFactor:
         return all(group.get("fused") for group in self.optimizer.param_groups)
 
     @contextlib.contextmanager
-    def applied(self, reduced: list[torch.Tensor | None], coef: float) -> Iterator[None]:
+    def applied(self, reduced: list[torch.Tensor | None], coef: float, *, host_kernel: bool) -> Iterator[None]:
         """Within: the factor ``coef`` applies to ``reduced`` (this rank's gradient chunks) for the
-        inner optimizer's step, once."""
-        if coef != 1.0 and self.host_step is not None and self.host_step.why_not() is None:
+        inner optimizer's step, once. ``host_kernel``: our host kernel steps this time (``why_not()``
+        of the host step is None, asked once by the caller); otherwise ``reduced`` are fp32 rows."""
+        if coef != 1.0 and self.host_step is not None and host_kernel:
             self.host_step.grad_factor = coef  # our kernel multiplies as it reads ([Note: our kernel in torch's place])
             try:
                 yield
