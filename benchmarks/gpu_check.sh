@@ -19,10 +19,13 @@
 #      where Ray is not installed: the lent machines have none and no internet);
 #   6. benchmarks/gpu_plan.py: the memory plan against torch.cuda.max_memory_allocated, three setups;
 #   7. benchmarks/gpu_snapshot.py: a memory snapshot's side-stream copy against the step it overlaps;
-#   8. the GPU half of benchmarks/offload.py;
+#   8. the GPU half of benchmarks/offload.py: with offload, each part of a step (the norm's wait,
+#      widening 16-bit rows, the host AdamW, the copies back) with our host kernel and with torch's;
 #   9. benchmarks/offload_host.py on the machine's host cores: the offloaded step's host time, with our
 #      host kernel and with torch's, against torch's fused CPU AdamW alone, our kernel alone and
-#      DeepSpeedCPUAdam (where it is installed), 32M rows.
+#      DeepSpeedCPUAdam (where it is installed), 32M rows;
+#  10. benchmarks/offload.py --deepspeed: DeepSpeed ZeRO-2 with its optimizer offload on the same models
+#      (where DeepSpeed is installed; its CPUAdam op builds on first use).
 # Results land in benchmarks/results/gpu_* (commit them); the exit status is 1 if any step failed.
 # Each step has a time limit (seconds, second argument of `step` below), so one that hangs (a stuck
 # NCCL collective, say) fails on its own and the others still run; and no step runs past BUDGET
@@ -92,6 +95,11 @@ step plan 60 python benchmarks/gpu_plan.py
 step snapshot 60 python benchmarks/gpu_snapshot.py
 step offload 240 python benchmarks/offload.py --gpu-only
 step offload_host 120 python benchmarks/offload_host.py --numel 32e6 --rounds 3 --name gpu_offload_host
+if python -c "import deepspeed" 2>/dev/null; then
+    step offload_deepspeed 120 python benchmarks/offload.py --deepspeed
+else
+    echo "=== offload_deepspeed: skipped: DeepSpeed is not installed here" | tee "$RESULTS/gpu_offload_deepspeed.log"
+fi
 
 if ((${#failed[@]})); then
     echo "failed: ${failed[*]}"

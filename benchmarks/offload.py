@@ -24,6 +24,19 @@ past that the host, not the GPU, is what runs out (and the kernel kills the proc
 raising), and that bound is what the row reports. Each search stops after PROBE_BUDGET_S seconds and
 says so (a probe with offload pins and steps gigabytes on the host).
 
+With offload, the same model and optimizer then take a profiled step with our host kernel and,
+after a step hook sends the inner step to torch's fused kernel (the path before ``hf_lowzero/zero/host``:
+it also widens 16-bit gradient rows into fp32 first), timed steps and a profiled step that way. The
+parts of a profiled step (host ms; ``--parts-smoke`` runs them on CPU with a tiny GPT-2, to check the
+script without a GPU):
+
+- ``backward``: the forward and backward (the reduced rows' copies to the host overlap it);
+- ``grad_norm``: the wait for the last copies and the decision (the norm is taken on the device);
+- ``widen_rows``: bf16 gradient rows widened to fp32 (torch's path only);
+- ``inner_step``: the host AdamW (the clip factor inside it), our kernel also writing the bf16 params;
+- ``all_gather_issue``: the copies back to the GPU and the gather, as issued;
+- ``wait``: from ``step()``'s return until the GPU is idle: copies and gathers not yet done.
+
 Writes results/offload.md, results/offload.json and results/offload.png.
 """
 
@@ -31,6 +44,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import socket
 import statistics
 import sys
 import time
@@ -46,6 +61,19 @@ from hf_lowzero import LowLevelZeroOptimizer  # noqa: E402
 from hf_lowzero.trainer.auto import node_available_memory  # noqa: E402
 
 ROUNDS, STEPS, WARMUP = 15, 3, 2
+STEP_PARTS = ("grad_norm", "widen_rows", "inner_step", "all_gather_issue")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torch_step_hook(*_) -> None:
+    """A step hook on the inner optimizer: its step is torch's own ([Note: our kernel in torch's place])."""
+
+
 PROBE_BUDGET_S = 60  # per widest-model search: each probe with offload pins and steps gigabytes on the host
 
 
@@ -152,15 +180,7 @@ def gpu_measure(
     inner = torch.optim.AdamW(model.parameters(), **choice)
     opt = LowLevelZeroOptimizer(model, inner, stage=2, offload_optimizer=offload)
     x = torch.randint(0, 50257, (batch, seq), device="cuda")
-    times = []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.backward(model(input_ids=x, labels=x).loss)
-        opt.step()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    times = timed_steps(model, opt, x, warmup, steps)
     report = opt.memory_report()
     row = {
         "part": "gpu W=1 bf16 stage 2",
@@ -173,8 +193,124 @@ def gpu_measure(
         "on_cuda_GiB": report.by_device.get("cuda:0", 0) / 2**30,
         "on_host_GiB": report.by_device.get("cpu", 0) / 2**30,
     }
+    if offload and steps > 1:  # the parts, ours and torch's path (before), on the same model and rows
+        row.update({f"ours_{k}": v for k, v in step_parts(model, opt, x).items()})
+        hook = opt.optim.register_step_pre_hook(torch_step_hook)
+        row["torch_path_ms"] = 1000 * statistics.median(timed_steps(model, opt, x, 1, steps))
+        row.update({f"torch_{k}": v for k, v in step_parts(model, opt, x).items()})
+        hook.remove()
     del model, opt
     return row
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(model, opt, x: torch.Tensor, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` whole steps (forward, backward, ``step()``, the device idle) after
+    ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        synchronize(x.device)
+        start = time.perf_counter()
+        opt.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
+        synchronize(x.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def step_parts(model, opt, x: torch.Tensor) -> dict[str, float]:
+    """One step under the profiler: host ms of backward, of each of STEP_PARTS, and the wait after
+    ``step()`` (see the module's docstring)."""
+    synchronize(x.device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        opt.backward(model(input_ids=x, labels=x).loss)
+        backward = time.perf_counter()
+        opt.step()
+        stepped = time.perf_counter()
+        synchronize(x.device)
+        done = time.perf_counter()
+    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
+    parts = {"backward": 1000 * (backward - start)}
+    parts |= {part: totals.get(f"hf_lowzero::{part}", 0.0) for part in STEP_PARTS}
+    parts["wait"] = 1000 * (done - stepped)
+    return {k: round(v, 2) for k, v in parts.items()}
+
+
+def deepspeed_offload(name: str, n_layer: int, n_embd: int, n_head: int, device: str, batch: int = 4, seq: int = 512):
+    """DeepSpeed ZeRO-2 with its optimizer offload (DeepSpeedCPUAdam over pinned host memory), bf16,
+    W=1, on ``gpu_measure``'s model and batch: step time and peak memory; or why it could not run."""
+    row = {"part": f"{'gpu' if device == 'cuda' else 'cpu smoke'} W=1 bf16 stage 2", "setup": f"{name} deepspeed"}
+    if device == "cuda":
+        os.environ["DS_ACCELERATOR"] = "cuda"  # benchmarks/common.py tells it "cpu" for the CPU benchmarks
+    try:
+        import deepspeed
+
+        model = gpt2_on(device, n_layer, n_embd, n_head, seq)
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": device == "cuda"}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        x = torch.randint(0, 50257, (batch, seq), device=device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(WARMUP + STEPS):
+            synchronize(x.device)
+            start = time.perf_counter()
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+            synchronize(x.device)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - start)
+    except Exception as error:  # noqa: BLE001 (an optional baseline: any failure is reported, not raised)
+        row["not_run"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        return row
+    row["ms"] = 1000 * statistics.median(times)
+    if device == "cuda":
+        row["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    del engine, model
+    return row
+
+
+def deepspeed_part(device: str) -> list[dict]:
+    """``deepspeed_offload`` for the models of ``gpu_part`` (on CPU: a tiny GPT-2, to check the script)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    models = {"gpt2-124M": (12, 768, 12), "gpt2-1.2B": (24, 2048, 16)} if device == "cuda" else {"tiny": (2, 64, 2)}
+    rows = []
+    for name, shape in models.items():
+        rows.append(deepspeed_offload(name, *shape, device, *(() if device == "cuda" else (2, 32))))
+        print(rows[-1], flush=True)
+    dist.destroy_process_group()
+    return rows
+
+
+def parts_smoke() -> None:
+    """The offload rows' profiled parts on CPU with a tiny bf16 GPT-2 (W=1, gloo): the script's GPU
+    path without a GPU. Prints them; writes nothing."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = gpt2_on("cpu", 2, 64, 2, 32)
+    opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=2, offload_optimizer=True)
+    x = torch.randint(0, 50257, (2, 32))
+    timed_steps(model, opt, x, 1, 2)
+    ours = step_parts(model, opt, x)
+    hook = opt.optim.register_step_pre_hook(torch_step_hook)
+    theirs = step_parts(model, opt, x)
+    hook.remove()
+    print({"ours": ours, "torch": theirs, "paths": opt.host_step.last_path})
+    dist.destroy_process_group()
 
 
 def trainers_kernel(offload: bool) -> str:
@@ -272,6 +408,24 @@ def gpu_part() -> list[dict]:
 
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
+    if "--parts-smoke" in sys.argv[1:]:
+        parts_smoke()
+        deepspeed_part("cpu")
+        return
+    if "--deepspeed" in sys.argv[1:]:  # gpu_check.sh: its own step, so a slow op build risks no other row
+        if not torch.cuda.is_available():
+            raise SystemExit("--deepspeed needs a CUDA GPU; none is visible here (--parts-smoke runs it on CPU)")
+        rows = deepspeed_part("cuda")
+        columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("part", "setup"), k))
+        for row in rows:
+            for k in columns:
+                row.setdefault(k, "")
+        header = (
+            f"# DeepSpeed ZeRO-2 with optimizer offload on {torch.cuda.get_device_name()}\n\n"
+            "`python benchmarks/offload.py --deepspeed`: the models and batch of gpu_offload.md."
+        )
+        print(write_results("gpu_offload_deepspeed", rows, columns, header))
+        return
     if "--gpu-only" in sys.argv[1:]:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu-only needs a CUDA GPU; none is visible here")
