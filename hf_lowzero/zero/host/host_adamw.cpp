@@ -59,15 +59,15 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, a quiet NaN for Na
 
 enum Scale : int { kNoScale = 0, kDivide = 1, kMultiply = 2 };
 
-template <bool Decoupled, bool HasWd, int ScaleMode>
-void vector_formula(float* __restrict p, const float* __restrict grad, float* __restrict m, float* __restrict v,
+template <bool Decoupled, bool HasWd, int ScaleMode, int32_t GradDtype>
+void vector_formula(float* __restrict p, const void* __restrict grad, float* __restrict m, float* __restrict v,
                     int64_t n, const Coefs& c, float scale, bool fused) {
   // locals, not c's fields: the stores below could alias them, which would stop vectorization
   const bool small = c.lerp_small;
   const float decay = c.decay, wd = c.wd, lerp_coef = c.lerp_coef, beta2 = c.beta2, c2 = c.c2;
   const float bc2_sqrt = c.bc2_sqrt, eps = c.eps, neg_step_size = c.neg_step_size;
   for (int64_t i = 0; i < n; ++i) {
-    float g = grad[i];
+    float g = load_grad<GradDtype>(grad, i);  // bf16 widens in the loop: a shift, vectorized
     if constexpr (ScaleMode == kDivide) g = g / scale;
     if constexpr (ScaleMode == kMultiply) g = g * scale;
     float param = p[i];
@@ -149,12 +149,14 @@ void scalar_formula(float* p, const void* grad, int32_t grad_dtype, float* m, fl
 
 constexpr int64_t kPiece = 1024;  // a piece's 16-bit gradients and params convert while in L1
 
-void vector_piece(float* p, const float* grad, float* m, float* v, int64_t n, const Coefs& c, const float* scale,
+template <int32_t GradDtype>
+void vector_piece(float* p, const void* grad, float* m, float* v, int64_t n, const Coefs& c, const float* scale,
                   bool multiplies, bool fused) {
   const float s = scale ? *scale : 1.0f;
   const int mode = scale == nullptr ? kNoScale : multiplies ? kMultiply : kDivide;
 #define HOST_ADAMW_CASE(D, W, S) \
-  if (c.decoupled == D && c.has_wd == W && mode == S) return vector_formula<D, W, S>(p, grad, m, v, n, c, s, fused);
+  if (c.decoupled == D && c.has_wd == W && mode == S)      \
+    return vector_formula<D, W, S, GradDtype>(p, grad, m, v, n, c, s, fused);
 #define HOST_ADAMW_CASES(D, W) HOST_ADAMW_CASE(D, W, kNoScale) HOST_ADAMW_CASE(D, W, kDivide) HOST_ADAMW_CASE(D, W, kMultiply)
   HOST_ADAMW_CASES(true, true) HOST_ADAMW_CASES(true, false) HOST_ADAMW_CASES(false, true) HOST_ADAMW_CASES(false, false)
 #undef HOST_ADAMW_CASES
@@ -166,11 +168,16 @@ void vector_range(float* p, const void* grad, int32_t grad_dtype, float* m, floa
   float widened[kPiece];
   for (int64_t at = begin; at < end; at += kPiece) {
     const int64_t n = end - at < kPiece ? end - at : kPiece;
-    const float* g = static_cast<const float*>(grad) + at;
-    if (grad_dtype == kBFloat16) widen<kBFloat16>(static_cast<const uint16_t*>(grad) + at, widened, n);
-    if (grad_dtype == kHalf) widen<kHalf>(static_cast<const _Float16*>(grad) + at, widened, n);
-    if (grad_dtype != kFloat) g = widened;
-    vector_piece(p + at, g, m + at, v + at, n, c, scale, multiplies, fused);
+    if (grad_dtype == kHalf) {  // fp16 widens a piece at a time (F16C), then steps from L1
+      widen<kHalf>(static_cast<const _Float16*>(grad) + at, widened, n);
+      vector_piece<kFloat>(p + at, widened, m + at, v + at, n, c, scale, multiplies, fused);
+    } else if (grad_dtype == kBFloat16) {
+      vector_piece<kBFloat16>(p + at, static_cast<const uint16_t*>(grad) + at, m + at, v + at, n, c, scale,
+                              multiplies, fused);
+    } else {
+      vector_piece<kFloat>(p + at, static_cast<const float*>(grad) + at, m + at, v + at, n, c, scale, multiplies,
+                           fused);
+    }
     if (out_dtype == kBFloat16) narrow<kBFloat16>(p + at, static_cast<uint16_t*>(out) + at, n);
     if (out_dtype == kHalf) narrow<kHalf>(p + at, static_cast<_Float16*>(out) + at, n);
   }
