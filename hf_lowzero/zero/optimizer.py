@@ -224,7 +224,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         # inside the host kernel where it takes it ([Note: the factor in the kernel]).
         coef = unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale)
         ours = self.host_step is not None and self.host_step.why_not() is None
-        if not ours:
+        if not ours and self.reducer.store.offloaded:
             with record_function("hf_lowzero::widen_rows"):  # [Note: 16-bit rows]: torch's step reads fp32 rows
                 if self.reducer.store.widen_all():
                     reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
