@@ -209,15 +209,24 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_steps(model, opt, x: torch.Tensor, warmup: int, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` whole steps (forward, backward, ``step()``, the device idle) after
-    ``warmup`` untimed ones."""
-    times = []
-    for i in range(warmup + steps):
-        synchronize(x.device)
-        start = time.perf_counter()
+    """Seconds of each of ``steps`` whole steps of our optimizer (``timed``)."""
+
+    def one_step() -> None:
         opt.backward(model(input_ids=x, labels=x).loss)
         opt.step()
-        synchronize(x.device)
+
+    return timed(one_step, x.device, warmup, steps)
+
+
+def timed(one_step, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``one_step`` (forward, backward, step), each until the
+    device is idle, after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        one_step()
+        synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -262,22 +271,18 @@ def deepspeed_offload(name: str, n_layer: int, n_embd: int, n_head: int, device:
         x = torch.randint(0, 50257, (batch, seq), device=device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(WARMUP + STEPS):
-            synchronize(x.device)
-            start = time.perf_counter()
+
+        def one_step() -> None:
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
-            synchronize(x.device)
-            if i >= WARMUP:
-                times.append(time.perf_counter() - start)
+
+        times = timed(one_step, x.device, WARMUP, STEPS)
     except Exception as error:  # noqa: BLE001 (an optional baseline: any failure is reported, not raised)
         row["not_run"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         return row
     row["ms"] = 1000 * statistics.median(times)
     if device == "cuda":
         row["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    del engine, model
     return row
 
 
