@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.zero.reads import StaleParamRead
 from tests.hf_models import TokenDataset, tiny_gpt2
 from tests.models import BranchyNet, batch, make_inner
 from tests.tiers import slow
@@ -83,7 +84,9 @@ def test_overlapped_gathers_give_the_bits_of_waited_ones(world_size, tmp_path):
 def _in_flight_body(rank: int, world_size: int) -> None:
     model = BranchyNet()
     twin = copy.deepcopy(model)
-    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=2, reduce_bucket_mb=0.0005)
+    opt = LowLevelZeroOptimizer(
+        model, make_inner("adamw", model), stage=2, reduce_bucket_mb=0.0005, overlap_allgather=True
+    )
     twin_opt = LowLevelZeroOptimizer(twin, make_inner("adamw", twin), stage=2, reduce_bucket_mb=0.0005,
                                      overlap_allgather=False)  # fmt: skip
     x, y = batch(rank, 0)
@@ -109,39 +112,75 @@ def test_gathers_are_in_flight_in_forward_order_and_each_module_waits_for_its_ow
 
 
 class ReadsHeadOutside(BranchyNet):
-    """Reads ``head``'s weight with a functional call in its own forward: outside ``head``'s forward."""
+    """Reads ``head``'s weight with a functional call in its own forward, outside ``head``'s forward;
+    with ``late``, only from the second forward on (a path the learned first forward did not take)."""
+
+    def __init__(self, late: bool = False) -> None:
+        super().__init__()
+        self.late, self.calls = late, 0
 
     def forward(self, x, use_a=True, use_b=True):
+        self.calls += 1
         h = self.frozen(torch.tanh(self.embed(x)))
         out = torch.tanh(self.branch_a(h))
+        if self.late and self.calls == 1:
+            return self.head(out) * self.scale[:3].sum()
         return torch.nn.functional.linear(out, self.head.weight, self.head.bias) * self.scale[:3].sum()
 
 
-def _stale_body(rank: int, world_size: int, overlap: bool) -> None:
-    model = ReadsHeadOutside()
+def _outside_body(rank: int, world_size: int) -> None:
+    losses = {}
+    for overlap in (False, True):
+        model = ReadsHeadOutside()
+        opt = LowLevelZeroOptimizer(
+            model, make_inner("sgd", model), stage=2, reduce_bucket_mb=0.0005, overlap_allgather=overlap
+        )
+        losses[overlap] = []
+        for step in range(3):
+            x, y = batch(rank, step)
+            loss = mse_loss(model(x), y)
+            losses[overlap].append(loss.item())
+            opt.backward(loss)
+            assert opt.step()
+            opt.zero_grad()
+    assert losses[True] == losses[False], losses
+
+
+def test_a_weight_read_outside_its_module_waits_where_the_first_forward_read_it():
+    """[Note: every read waits]: the first forward learns that the model's own forward reads head.*,
+    so the root waits for their bucket; the losses are overlap off's, bit for bit."""
+    run_distributed(_outside_body, 2)
+
+
+def _stale_body(rank: int, world_size: int, check: bool) -> None:
+    model = ReadsHeadOutside(late=True)
     opt = LowLevelZeroOptimizer(
-        model, make_inner("sgd", model), stage=2, reduce_bucket_mb=0.0005, overlap_allgather=overlap
-    )
-    for step in range(3):
-        x, y = batch(rank, step)
-        opt.backward(mse_loss(model(x), y))
-        if overlap and step == 1:  # the first forward after a step read head.* before its gather landed
-            opt.wait_for_params()  # the last step's values land (the forward read the ones before)
-            before = [p.detach().clone() for p in model.parameters()]
-            with pytest.raises(RuntimeError, match=r"rank \d, \['head.weight', 'head.bias'\] got gradients"):
-                opt.step()
-            assert all(torch.equal(p, q) for p, q in zip(before, model.parameters())), "nothing may be updated"
-            return
-        assert opt.step()
-        opt.zero_grad()
-    assert not overlap
+        model, make_inner("sgd", model), stage=2, reduce_bucket_mb=0.0005, overlap_allgather=True,
+        check_param_reads=check,
+    )  # fmt: skip
+    x, y = batch(rank, 0)
+    opt.backward(mse_loss(model(x), y))
+    assert opt.step()
+    opt.zero_grad()
+    x, y = batch(rank, 1)
+    if check:  # the read itself raises, in the forward, naming the param and the module
+        with pytest.raises(StaleParamRead, match=r"'head.weight' was read in the forward of '<root>' \(ReadsHead"):
+            model(x)
+        return
+    opt.backward(mse_loss(model(x), y))  # the second forward read head.* outside head: not learned
+    opt.wait_for_params()  # the last step's values land (the forward read the ones before)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"rank \d, \['head.weight', 'head.bias'\] got gradients"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters())), "nothing may be updated"
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_weight_read_outside_its_module_is_named_on_every_rank(overlap):
-    """With overlap on it would read the previous step's values: every rank stops before the update,
-    naming the weight; with overlap off the same model trains."""
-    run_distributed(_stale_body, 2, overlap=overlap)
+@pytest.mark.parametrize("check", [False, True])
+def test_a_read_on_a_path_taken_after_learning_is_named(check):
+    """A path first taken after its kind of forward was learned reads head.* before their gather
+    lands: every rank stops before the update, naming them; with check_param_reads the read itself
+    raises in the forward, naming the param and the module."""
+    run_distributed(_stale_body, 2, check=check)
 
 
 # ------------------------------------------------------------------------------ the Trainer

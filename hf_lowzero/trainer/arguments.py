@@ -104,10 +104,11 @@ class ZeroArguments:
             "reduction": self.zero_reduction,
         }
         base.update({k: v for k, v in flags.items() if v is not None})
-        if self.torch_compile and "overlap_allgather" not in base:
-            # The forward pre-hooks that wait for each bucket's gather would break the compiled graph
-            # at every module ([Note: overlapped all-gather] in zero/update/allgather.py): step() waits instead.
-            base["overlap_allgather"] = False
+        if "overlap_allgather" not in base:
+            # On where every reader is known: the Trainer waits before evaluation, saving and callbacks
+            # ([Note: params are current] in zero/update/allgather.py). Not with torch.compile: the forward
+            # pre-hooks that wait for each bucket's gather would break the compiled graph at every module.
+            base["overlap_allgather"] = not self.torch_compile
         stage = 2 if self.zero_stage in (0, "auto") else self.zero_stage
         base.update({"stage": stage, "clip_grad_norm": float(self.max_grad_norm or 0.0)} | overrides)
         try:
@@ -133,9 +134,9 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         zero_reduce_bucket_mb: MiB of gradient per reduction bucket (``ZeroConfig.reduce_bucket_mb``).
         zero_overlap_communication: Overlap gradient reduction with backward
             (``ZeroConfig.overlap_communication``).
-        zero_overlap_allgather: Leave the all-gather of updated params in flight after the step, each
-            module's forward waiting for its own (``ZeroConfig.overlap_allgather``; default on, off with
-            ``torch_compile``).
+        zero_overlap_allgather: Leave the all-gather of updated params in flight after the step, the
+            next forward waiting for each where it first reads it (``ZeroConfig.overlap_allgather``; on
+            in the Trainer, which waits before evaluation, saving and callbacks; off with ``torch_compile``).
         zero_communication_dtype: The dtype of gradient reductions: ``"fp32"``, ``"bf16"`` or ``"fp16"``
             (default: the params' dtype).
         zero_offload_optimizer: Keep the fp32 master weights, optimizer state and gradient rows in host
@@ -178,8 +179,8 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
     zero_overlap_allgather: bool | None = field(
         default=None,
         metadata={
-            "help": "Hide the all-gather of updated params behind the next forward: each module waits for its "
-            "own params (True; False with --torch_compile)"
+            "help": "Hide the all-gather of updated params behind the next forward: it waits for each param where "
+            "it first reads it (True; False with --torch_compile)"
         },
     )
     zero_communication_dtype: str | None = field(

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from hf_lowzero.zero.integrity.checker import IntegrityChecker, hashed_tensors
 from hf_lowzero.zero.layout.buckets import Bucket, plan_buckets
 from hf_lowzero.zero.layout.packing import inner_view
 from hf_lowzero.zero.layout.params import ParamSlot, WrapGuard, managed_slots
+from hf_lowzero.zero.reads import WaitPlan, WatchedParam
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
@@ -36,6 +38,8 @@ from hf_lowzero.zero.update.master import MasterRows
 from hf_lowzero.zero.update.master_precision import Bf16Masters, FullPrecisionMasters, make_master_precision
 from hf_lowzero.zero.update.step import SkipCounts, StepStats, UnusedMask
 from hf_lowzero.zero.zero_config import ZeroConfig
+
+CHECK_ENV = "HF_LOWZERO_CHECK_PARAM_READS"  # "1": check_param_reads on, whatever the config says
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +57,7 @@ class OptimizerParts:
     master: MasterRows
     precision: FullPrecisionMasters | Bf16Masters
     gather: ParamGather  # the masters back into the params
+    reads: WaitPlan | None  # where the next forward waits for the gathers (overlap_allgather)
     host_step: HostAdamStep | None  # offload: our host kernel where it is exact, else None
     inner_params: list[torch.Tensor | None]  # per slot ([Note: inner params] in inner/adopt.py)
     unused_mask: UnusedMask
@@ -118,7 +123,11 @@ def build_parts(
         slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard,
         copy=host_step.copy if host_step else None,
     )  # fmt: skip
-    gather.attach(model)  # [Note: overlapped all-gather]
+    reads = None
+    if gather.defer:  # [Note: every read waits]: where the next forward waits for each bucket
+        watched = [WatchedParam(s.name, s.param, s.bucket_index) for s in slots]
+        reads = WaitPlan(model, watched, gather, check=config.check_param_reads or os.environ.get(CHECK_ENV) == "1")
+        reads.attach()
     guard = WrapGuard(slots)
     sync = BackwardSync(
         slots, buckets, reducer, config.overlap_communication, guard=guard.check, pending=gather.stale_slots
@@ -145,7 +154,7 @@ def build_parts(
     stats = ExactStepStats(reducer, slots, shard=shard) if exact else StepStats(len(slots), shard=shard)
     return OptimizerParts(
         shard=shard, slots=slots, buckets=buckets, guard=guard, integrity=integrity, reducer=reducer, sync=sync,
-        stats=stats, master=master, precision=precision, gather=gather, host_step=host_step,
+        stats=stats, master=master, precision=precision, gather=gather, reads=reads, host_step=host_step,
         inner_params=inner_params, unused_mask=UnusedMask(inner_params, inner_grads), groups=groups,
         slot_at=slot_at, scaler=scaler, counts=counts, shard_state=shard_state,
     )  # fmt: skip

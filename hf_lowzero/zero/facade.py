@@ -159,13 +159,14 @@ class OptimizerFacade(torch.optim.Optimizer):
     def wait_for_params(self) -> None:
         """Wait until every param holds its value from the last step.
 
-        With ``overlap_allgather`` (the default) ``step()`` returns with the all-gathers of the
-        updated params in flight, and each module's forward waits for its own ([Note: overlapped
-        all-gather] in ``update/allgather.py``). Everything else that reads params between ``step()`` and
-        the next forward must call this first: an EMA of the weights, a metric computed from them,
-        ``torch.save(model.parameters())``. ``model.state_dict()``, this optimizer's ``state_dict()``,
-        checkpoints, the next ``backward()`` and ``step()`` call it themselves; so does the Trainer
-        before evaluation, saving and callbacks. Local; free when nothing is in flight.
+        With ``overlap_allgather`` (on in the Trainer and the Ray job, off by default here) ``step()``
+        returns with the all-gathers of the updated params in flight, and the next forward waits for
+        each where it first reads it ([Note: every read waits] in ``reads/plan.py``). Everything else
+        that reads params between ``step()`` and the next forward must call this first: an EMA of the
+        weights, a metric computed from them, ``torch.save(model.parameters())``.
+        ``model.state_dict()``, this optimizer's ``state_dict()``, checkpoints, the next ``backward()``
+        and ``step()`` call it themselves; so does the Trainer before evaluation, saving and
+        callbacks. Local; free when nothing is in flight.
 
         Example::
 
@@ -206,7 +207,9 @@ class OptimizerFacade(torch.optim.Optimizer):
         for handle in sync.hook_handles:
             handle.remove()
         sync.hook_handles = []
-        self._parts.gather.detach()
+        self._parts.gather.wait_all()
+        if self._parts.reads is not None:
+            self._parts.reads.detach()
 
     # ------------------------------------------------------------------------- what it holds
 

@@ -125,8 +125,9 @@ class ZeroConfig:
         stage: 1 (shard optimizer state) or 2 (also shard gradients).
         reduce_bucket_mb: MiB of gradient per reduction bucket (> 0).
         overlap_communication: Reduce each bucket asynchronously during backward as soon as it is complete.
-        overlap_allgather: Leave the all-gather of updated params in flight after ``step()``; each
-            bucket's first forward use waits for it alone.
+        overlap_allgather: Leave the all-gather of updated params in flight after ``step()``; the next
+            forward waits for each bucket where it first reads it. Off here; on in the Trainer and the Ray job.
+        check_param_reads: With ``overlap_allgather``: raise at any read of a param whose gather is in flight.
         clip_grad_norm: Clip the global L2 norm of the averaged gradients to this value (>= 0); 0: no clipping.
         communication_dtype: The dtype of gradient reductions (a name or torch dtype); None: each param's own.
         process_group: The data-parallel process group; None: the default group.
@@ -166,13 +167,18 @@ class ZeroConfig:
     """Launch a bucket's reduction asynchronously during backward as soon as it is complete
     (in plan order). False reduces every bucket after backward, one at a time."""
 
-    overlap_allgather: bool = True
-    """After ``step()`` leave the all-gathers of the updated params in flight: each module's first
-    forward use waits for its own buckets alone, so the gathers hide behind the next forward
-    ([Note: overlapped all-gather] in ``update/allgather.py``). Readers of the params outside the forward
-    wait first (``wait_for_params()``). False: ``step()`` returns with every param current. Needs
-    each param to be read in the forward of a module that holds it (a model that reads another
-    module's weight directly is stopped with an error naming it); not with ``torch.compile``."""
+    overlap_allgather: bool = False
+    """After ``step()`` leave the all-gathers of the updated params in flight: the next forward
+    waits for each bucket where it first reads it, so the gathers hide behind it ([Note: overlapped
+    all-gather] in ``update/allgather.py``, [Note: every read waits] in ``reads/plan.py``). Off here, so
+    that a param read right after ``step()`` holds the updated value; ``LowZeroTrainer`` and the Ray job
+    turn it on (they know every reader). On, code that reads params between ``step()`` and the next
+    forward (an EMA, a metric) calls ``wait_for_params()`` first. Not with ``torch.compile``."""
+
+    check_param_reads: bool = False
+    """With ``overlap_allgather``: watch every forward's reads and raise, naming the param and the
+    module, when one is read while its all-gather is in flight. Costs a Python call per op of the
+    forward: for tests and debugging. ``HF_LOWZERO_CHECK_PARAM_READS=1`` switches it on too."""
 
     clip_grad_norm: float = 0.0
     """Clip the global L2 norm of the averaged gradients to this value; 0 disables clipping.
@@ -280,6 +286,7 @@ class ZeroConfig:
         for name in (
             "overlap_communication",
             "overlap_allgather",
+            "check_param_reads",
             "offload_optimizer",
             "pin_memory",
             "allow_untested_optimizer",

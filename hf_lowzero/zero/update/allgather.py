@@ -5,7 +5,7 @@ Example::
 
     gather = ParamGather(slots, buckets, master.flat, master.gate, pool=pool, defer=True, shard=shard)
     gather.issue()             # after the inner step: every bucket's gather in flight, forward order
-    model(**batch)             # each module's first use waits for its buckets' gathers alone
+    model(**batch)             # each module's first use waits for the gathers of what it reads (reads/)
     gather.wait_all()          # anything else that reads params: every gather landed
 
 # [Note: overlapped all-gather]
@@ -15,23 +15,23 @@ Example::
 # registration order ([Note: bucket order] in ``layout/buckets.py``), so the forward's order is the plan's
 # reversed. It is the same on every rank, so the collectives match whatever each rank's forward does.
 #
-# With ``defer`` (``ZeroConfig.overlap_allgather``, the default) nothing waits in the step: a
-# forward pre-hook on every module that holds a managed param finishes (waits for and unpacks) the
-# gathers of that module's buckets when the module is first called, so the next forward's first
-# layers wait for their own bucket while the later buckets are still on the wire (ColossalAI's
-# ``overlap_allgather``, FSDP2's prefetch). On a GPU the wait is a stream wait, never a host sync.
-# Every other reader of the params passes ``wait_all`` first ([Note: params are current]); the
-# step passes it before it writes the masters the gathers read.
+# With ``defer`` (``ZeroConfig.overlap_allgather``: off for the optimizer API, on in the Trainer
+# and the Ray job, where every reader is known) nothing waits in the step: forward pre-hooks finish
+# (wait for and unpack) the gathers of the buckets each module reads when the module is first
+# called, so the next forward's first layers wait for their own bucket while the later buckets are
+# still on the wire (ColossalAI's ``overlap_allgather``, FSDP2's prefetch). Which module waits for
+# which bucket is learned from the reads the forward makes ([Note: every read waits] in
+# ``reads/plan.py``): a module's own forward is too small a unit. On a GPU the wait is a stream wait,
+# never a host sync. Every other reader of the params passes ``wait_all`` first ([Note: params are
+# current]); the step passes it before it writes the masters the gathers read.
 #
-# The rule this needs, as FSDP2's does: a param is read in the forward of a module that holds it
-# (tied weights are held by each module that shares them). A model that reads another module's
-# weight directly (``F.embedding(ids, self.wte.weight)`` in its own forward) would read the previous
-# step's values. Such a read cannot go unnoticed: each backward records the buckets still pending
-# when it begins (``stale_slots``: no module of theirs ran in the forward), and a param of theirs
-# that gets a gradient in that backward was read before its gather landed; the step then stops with
-# an error on every rank, naming it, before the update. Pending gathers land at the step, after
-# backward: landing during backward would change tensors autograd saved from the stale read. The GPU
-# simulation (``hf_lowzero.simulation``) fails any read of a param whose gather is pending, naming it.
+# A read the plan did not learn (a path first taken later) cannot go unnoticed: each backward
+# records the buckets still pending when it begins (``stale_slots``: nothing in the forward waited
+# for them), and a param of theirs that gets a gradient in that backward was read before its gather
+# landed; the step then stops with an error on every rank, naming it, before the update. Pending
+# gathers land at the step, after backward: landing during backward would change tensors autograd
+# saved from the stale read. The GPU simulation (``hf_lowzero.simulation``) fails any read of a
+# param whose gather is pending, naming it.
 #
 # Memory: until the forward reaches them, every bucket's gathered buffer is alive at once (one copy
 # of the trainable params in their dtype, and with 16-bit params a 16-bit copy of this rank's rows),
@@ -60,11 +60,9 @@ Example::
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 
 from hf_lowzero.zero.host.adam_step import ParamCopy
@@ -219,49 +217,6 @@ class ParamGather:
         """Slot indices of the params whose gathers are still pending (see [Note: overlapped all-gather])."""
         return [slot.index for index in self.pending for slot in self.buckets[index].slots]
 
-    # -------------------------------------------------------------------------------- hooks
-
-    def attach(self, model: nn.Module) -> None:
-        """Forward pre-hooks (each module holding a managed param waits for its buckets) and
-        state-dict pre-hooks (``model.state_dict()`` and ``model.load_state_dict()`` wait for all:
-        a load must not be overwritten by a gather landing later). Held weakly, as the backward
-        hooks are ([Note: hooks hold the optimizer weakly] in ``grads/backward.py``)."""
-        if not self.defer:
-            return  # nothing is ever pending
-        bucket_of = {id(slot.param): slot.bucket_index for slot in self.slots}
-        this = weakref.ref(self)
-
-        def waits_for(indices: tuple[int, ...]):
-            def forward_pre_hook(_module, _args) -> None:
-                gather = this()
-                if gather is not None and gather.pending:
-                    gather.wait(indices)
-
-            return forward_pre_hook
-
-        def state_dict_pre_hook(*_args, **_kwargs) -> None:
-            gather = this()
-            if gather is not None:
-                gather.wait_all()
-
-        for module in model.modules():
-            own = {bucket_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in bucket_of}
-            if not own:
-                continue
-            indices = tuple(sorted(own, reverse=True))  # the forward's order
-            self._hooks.append(module.register_forward_pre_hook(waits_for(indices)))
-            self._hooks.append(module.register_state_dict_pre_hook(state_dict_pre_hook))
-            self._hooks.append(module.register_load_state_dict_pre_hook(state_dict_pre_hook))
-        self._hooks.append(model.register_state_dict_pre_hook(state_dict_pre_hook))
-        self._hooks.append(model.register_load_state_dict_pre_hook(state_dict_pre_hook))
-
-    def detach(self) -> None:
-        """Remove every hook ``attach`` added (the pending gathers are finished first)."""
-        self.wait_all()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
 
 def stale_read_message(names: list[str], *, rank: int) -> str:
     """The error of a step whose forward read params before their gathers landed (``names``: this
@@ -272,9 +227,9 @@ def stale_read_message(names: list[str], *, rank: int) -> str:
         else "on another rank (its error names them), params got gradients although"
     )
     return (
-        f"{where} their all-gather was still in flight when backward began: the forward read them outside "
-        "the forward of a module that holds them, so it used the previous step's values (see [Note: overlapped "
-        "all-gather] in hf_lowzero/zero/update/allgather.py). Nothing was updated. Read each weight through its module "
-        "(call the module, or tie the weight into the module that uses it), or pass overlap_allgather=False "
-        "(Trainer: --zero_overlap_allgather false)."
+        f"{where} their all-gather was still in flight when backward began: the forward read them on a path its "
+        "kind of forward had not taken when the wait plan was learned, so it used the previous step's values (see "
+        "[Note: every read waits] in hf_lowzero/zero/reads/plan.py). Nothing was updated. Call "
+        "LowLevelZeroOptimizer.wait_for_params() before such a forward, switch on check_param_reads to find the "
+        "read, or pass overlap_allgather=False (Trainer: --zero_overlap_allgather false)."
     )
