@@ -235,3 +235,24 @@ def test_the_trainer_with_overlap_gives_the_bits_of_overlap_off(tmp_path, world_
     resume to step 6: losses, norms, evaluation losses, the callback's EMA and the final params
     equal, bit for bit."""
     run_distributed(_trainer_body, world_size, tmp=str(tmp_path), stage=stage)
+
+
+def _compiled_body(rank: int, world_size: int, learned: bool) -> None:
+    model = BranchyNet()
+    opt = LowLevelZeroOptimizer(
+        model, make_inner("adamw", model), stage=2, reduce_bucket_mb=0.0005, overlap_allgather=True
+    )
+    if learned:  # an eager forward first: the plan is learned before the model is compiled
+        x, y = batch(rank, 0)
+        opt.backward(mse_loss(model(x), y))
+        opt.step()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(RuntimeError, match="overlap_allgather with torch.compile on the optimizer API"):
+        compiled(batch(rank, 1)[0])
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_torch_compile_with_overlap_is_refused_on_the_optimizer_api(learned):
+    """The hooks that wait for the gathers would be traced (guards on what is in flight): refused with
+    a clear error, whether or not an eager forward came first."""
+    run_distributed(_compiled_body, 2, learned=learned)

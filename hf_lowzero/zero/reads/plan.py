@@ -181,6 +181,12 @@ class WaitPlan:
     # ------------------------------------------------------------------------- the root forward
 
     def _enter(self) -> None:
+        if _compiling():
+            raise RuntimeError(
+                "overlap_allgather with torch.compile on the optimizer API: the hooks that make each read of a param "
+                "wait for its all-gather cannot be traced. Pass overlap_allgather=False (the Trainer does so itself "
+                "with --torch_compile)."
+            )
         if self._watch:  # a re-entrant call of the root (its forward calls itself): already watched
             self._watch.append(self._watch[-1])
             return
@@ -189,12 +195,6 @@ class WaitPlan:
         if not (learning or self.check):
             self._watch.append(None)
             return
-        if _compiling():
-            raise RuntimeError(
-                "overlap_allgather with torch.compile on the optimizer API: the hooks that make each read of a param "
-                "wait for its all-gather cannot be traced. Pass overlap_allgather=False (the Trainer does so itself "
-                "with --torch_compile)."
-            )
         stack = ModuleStack()
         reads = ParamReads(self.storages, lambda index: self._on_read(index, stack, reads, learning))
         stack.__enter__()
