@@ -54,12 +54,12 @@ def process_group(work: Path) -> dict:
 
 
 def optimizer(work: Path) -> dict:
-    """``process_group``, and ``opt``: a ZeRO-2 optimizer on ``model`` after one step."""
+    """``process_group``, and ``opt``: a ZeRO-2 optimizer on ``model`` after one step, its gathers in flight."""
     from hf_lowzero import LowLevelZeroOptimizer
     from tests.hf_models import TokenDataset
 
     names = process_group(work)
-    opt = LowLevelZeroOptimizer(names["model"], names["inner"], stage=2)
+    opt = LowLevelZeroOptimizer(names["model"], names["inner"], stage=2, overlap_allgather=True)
     batch = TokenDataset(n=4, length=16)[0]
     opt.backward(names["model"](input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss)
     opt.step()
