@@ -144,7 +144,8 @@ def report(runs: dict[str, list[dict]], a) -> None:
         "after one untimed step; vs_ddp_fused = the run's median per-round ratio to fused DDP, then the median "
         f"(min, max) over {a.pairs} runs of each code, run in pairs"
         + (f"; `before` is commit {a.before}" if a.before else "")
-        + ". zero2 has overlap on (the Trainer's and the Ray job's default; the optimizer API's is off); zero2_overlap_off waits for the gathers in the step; "
+        + ". zero2 has overlap on (the Trainer's and the Ray job's default; the optimizer API's is off); "
+        "zero2_overlap_off waits for the gathers in the step; "
         "max_param_diff: overlap on against off after every step of a run."
     )
     footer = (
