@@ -186,6 +186,9 @@ class ParamGather:
         dev.mark_current(self._params[bucket.index])
         with record_function("hf_lowzero::unpack_bucket"):
             unpack_bucket(bucket, gather.out, world_size=self.shard.world_size, targets=self._targets[bucket.index])
+        # The unpack read ``out`` on the stream current now (the forward's, maybe a side stream): the
+        # allocator must not hand its memory to the stream it was made on before that read is done.
+        dev.keep_alive(gather.out, dev.current_stream(bucket.device))
         self.pool.give(gather.out)
         if gather.copied:
             self.pool.give(gather.chunk)
