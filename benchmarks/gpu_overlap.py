@@ -7,8 +7,8 @@ Rank 0 of a world of 2 trains GPT-2 1.2B (24 x 2048; or the largest of MODELS th
 tokens, bf16 params, fused AdamW, ZeRO stage 2, on ``EmulatedGroup`` (``benchmarks/emulated_nccl.py``):
 NCCL's streams and events, the real reduction and gather kernels, and a sleep on NCCL's stream for
 the bytes a rank sends over a link of 100, 50, 25 or 12.5 GB/s. Three setups live side by side: the
-all-gather overlapped with the next forward (``ZeroConfig(overlap_allgather=True)``, the default),
-not overlapped, and world size 1 (the same model and optimizer, no communication).
+all-gather overlapped with the next forward (``ZeroConfig(overlap_allgather=True)``, the Trainer's
+default), not overlapped, and world size 1 (the same model and optimizer, no communication).
 
 For each link each W=2 setup runs with nothing sleeping, then with only the reduce-scatters
 sleeping, only the all-gathers, and every collective. Hidden, per collective and link, in each
