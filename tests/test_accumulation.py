@@ -67,7 +67,6 @@ def accumulate_body(
         ref_opt.step()
         ref_opt.zero_grad()
         assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
-        opt.wait_for_params()  # [Note: params are current]: the test reads params
         assert_params_equal(model, ref.module, f"stage {stage} {partition} direct {direct} step {step}")
 
 
@@ -126,7 +125,6 @@ def reached_first_body(rank: int, stage: int, direct: bool) -> None:
         assert comm_stats.calls["reduce_scatter"] == (1 if stage == 1 else MICRO)
         ref_opt.step()
         ref_opt.zero_grad()
-        opt.wait_for_params()  # [Note: params are current]: the test reads params
         assert_params_equal(model, ref.module, f"reached first: stage {stage} direct {direct} step {step}")
 
 
@@ -145,7 +143,6 @@ def synced_micro_batches_body(rank: int, world_size: int) -> None:
         opt.step()
         ref_opt.step()
         ref_opt.zero_grad()
-        opt.wait_for_params()  # [Note: params are current]: the test reads params
         assert_params_equal(model, ref.module, f"step {step}")
 
 
@@ -169,7 +166,6 @@ def idle_rank_case(rank: int, stage: int) -> None:
         mse_loss(ref(x), y).backward()
     opt.step()
     ref_opt.step()
-    opt.wait_for_params()  # [Note: params are current]: the test reads params
     assert_params_equal(model, ref.module, "idle rank")
 
 

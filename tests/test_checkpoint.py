@@ -98,7 +98,6 @@ def save_then_continue(rank, world_size, tmp):
         save_checkpoint(opt, f"{tmp}/ckpt-{tag}")
         saved = counters(opt)
         train(model, opt, rank, world_size, range(BEFORE, BEFORE + AFTER), dtype)
-        opt.wait_for_params()  # [Note: params are current]: the test reads params
         if rank == 0:
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{tmp}/final-{tag}.pt")
             with open(f"{tmp}/counters-{tag}.json", "w") as f:
@@ -117,7 +116,6 @@ def load_then_continue(rank, world_size, tmp):
         with open(f"{tmp}/counters-{tag}.json") as f:
             assert counters(opt) == json.load(f), tag
         train(model, opt, rank, world_size, range(BEFORE, BEFORE + AFTER), dtype)
-        opt.wait_for_params()
         final = torch.load(f"{tmp}/final-{tag}.pt")
         # Same math at another world size: equal up to summation order (fp32), or up to two
         # units in the last place of a 16-bit param (Adam can turn a rounding flip into one ULP).
@@ -147,7 +145,6 @@ class WiderHead(BranchyNet):
 
 
 def snapshot(model, opt):
-    opt.wait_for_params()  # [Note: params are current]: the test reads params
     return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
 
 

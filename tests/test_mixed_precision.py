@@ -52,7 +52,6 @@ def train_zero(rank: int, dtype: torch.dtype, stage: int, reference: MasterWeigh
         applied = opt.step()
         if reference is None:
             continue
-        opt.wait_for_params()  # [Note: params are current]: the test reads params
         assert applied and reference.step(scale), f"step {step} was skipped"
         where = f"{dtype} stage {stage} step {step}"
         for (name, p), q in zip(model.named_parameters(), reference.ddp.module.parameters()):
@@ -99,7 +98,6 @@ def poison(param: nn.Parameter, when) -> None:
 
 
 def snapshot(model: nn.Module, opt: LowLevelZeroOptimizer) -> list[torch.Tensor]:
-    opt.wait_for_params()  # [Note: params are current]: the test reads params
     state = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return [p.detach().clone() for p in model.parameters()] + [opt.master.flat.clone()] + state
 

@@ -44,8 +44,7 @@ def train_step(model, opt, rank, step, dtype=torch.float32, micro_batches=1, dir
     return applied
 
 
-def params_of(model, opt):
-    opt.wait_for_params()  # [Note: params are current]: the test reads params
+def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -99,7 +98,7 @@ def param_groups_case(rank, stage):
             train_step(model, opt, rank, step)
             scheduler.step()
         assert opt.param_groups[1]["lr"] == inner.param_groups[1]["lr"] == 0.5 * 1e-2 * 0.5**3
-        runs.append(params_of(model, opt))
+        runs.append(params_of(model))
     assert_identical(runs[0], runs[1], "scheduler on the inner optimizer")
 
 
@@ -122,14 +121,14 @@ def state_dict_case(rank, world_size, stage, dtype):
 
     for step in range(3, 6):
         train_step(model, opt, rank, step, dtype)
-    uninterrupted = params_of(model, opt), opt.loss_scale, opt.skipped_steps
+    uninterrupted = params_of(model), opt.loss_scale, opt.skipped_steps
 
     restored, restored_opt = build(stage, dtype, seed=11)  # everything must come from the state dicts
     restored.load_state_dict(saved[1])
     restored_opt.load_state_dict(saved[0])
     for step in range(3, 6):
         train_step(restored, restored_opt, rank, step, dtype)
-    assert_identical(params_of(restored, restored_opt), uninterrupted[0], where)
+    assert_identical(params_of(restored), uninterrupted[0], where)
     assert (restored_opt.loss_scale, restored_opt.skipped_steps) == uninterrupted[1:], where
 
 
@@ -202,7 +201,7 @@ def failure_case(rank, stage, micro_batches, direct, early):
         fail.micro = -1
         train_step(model, opt, rank, step, micro_batches=micro_batches, direct=direct)
         train_step(ref_model, ref_opt, rank, step, micro_batches=micro_batches, direct=direct)
-        assert_identical(params_of(model, opt), params_of(ref_model, ref_opt), f"{where} step {step}")
+        assert_identical(params_of(model), params_of(ref_model), f"{where} step {step}")
 
 
 # -------------------------------------------------------------------- cast after wrapping
@@ -216,7 +215,7 @@ def cast_after_wrap_case(rank, stage):
         model, opt = build(stage)
         train_step(model, opt, rank, 0)
         change(model)
-        before = params_of(model, opt)
+        before = params_of(model)
         comm_stats.reset()
         x, y = (t.to(model.head.weight.dtype) for t in batch(rank, 1))
         with pytest.raises(RuntimeError, match=message):
@@ -226,7 +225,7 @@ def cast_after_wrap_case(rank, stage):
         with pytest.raises(RuntimeError, match=message):
             opt.step()
         assert sum(comm_stats.calls.values()) == 0, "nothing may be reduced"
-        assert_identical(params_of(model, opt), before, "nothing may be updated")
+        assert_identical(params_of(model), before, "nothing may be updated")
 
 
 def contract_body(rank, world_size):
