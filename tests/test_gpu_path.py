@@ -6,6 +6,8 @@
   verified. Every collective is checked against NCCL's rules and compared across ranks, every access
   ordered as CUDA streams and events order it. Rank r trains on ``cuda:r`` with the current device
   left at 0 (no ``torch.cuda.set_device``).
+- The reads a per-module wait misses (``read_cases()``): nn.MultiheadAttention, nn.TransformerEncoderLayer
+  trained and evaluated after each step (torch's fast paths), a layer pruned before wrapping.
 - The plan's step with gradient checkpointing, reentrant and not: each layer recomputed with the
   GPU's attention kernel.
 - The simulation can fail: each fix undone (the write gate, the params' device for the offload
@@ -37,6 +39,7 @@ from hf_lowzero.simulation import (
     call_on_fake_gpus,
     check_cases,
     default_cases,
+    read_cases,
 )
 from tests.hf_models import tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
@@ -321,6 +324,31 @@ def test_the_step_syncs_the_host_once_and_backward_never(fake_gpu_w2):
             if case.reduction == "exact":
                 sites = [site.split(":")[0] for phase, site in last["sites"] if phase == "step"]
                 assert sites == exact_sites, (case.label, last["sites"])
+
+
+def _read_runs() -> dict:
+    """In the fake-GPU process: each of ``read_cases()``, its result or the stale read it found (as text)."""
+    runs = {}
+    for case in read_cases():
+        try:
+            (runs[case.label],) = check_cases([case])
+        except StaleReadError as e:
+            runs[case.label] = f"{type(e).__name__}: {e}"
+    return runs
+
+
+def test_torchs_own_modules_read_current_params_with_the_gathers_in_flight():
+    """[Note: overlapped all-gather] for the reads a per-module wait misses: an nn.MultiheadAttention
+    (its forward reads out_proj's weight and bias without calling out_proj), an
+    nn.TransformerEncoderLayer trained and evaluated right after each step (eval under no_grad: torch's
+    fast paths read the weights of every child), a layer pruned before wrapping (prune's pre-hook,
+    registered before the optimizer's, reads weight_orig). No op reads a param whose gather is in
+    flight, and the step runs as in every other case."""
+    runs = call_on_fake_gpus(_read_runs)
+    assert list(runs) == [case.label for case in read_cases()]
+    stale = {label: run for label, run in runs.items() if isinstance(run, str)}
+    assert not stale, "\n".join(f"{label}: {error}" for label, error in stale.items())
+    _check_runs(list(runs.values()))
 
 
 def test_gpu_plans_run_on_fake_gpus():

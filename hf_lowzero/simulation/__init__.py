@@ -9,7 +9,7 @@
 (``hf_lowzero.plan``) simulates GPU setups through the same pieces.
 """
 
-from hf_lowzero.simulation.gpu_step import CaseResult, GpuCase, check_cases, default_cases
+from hf_lowzero.simulation.gpu_step import CaseResult, GpuCase, check_cases, default_cases, read_cases
 from hf_lowzero.simulation.launch import FakeCudaUnavailable, call_on_fake_gpus, fake_cuda_here
 from hf_lowzero.simulation.nccl import NcclRuleError
 from hf_lowzero.simulation.streams import RaceError, StaleReadError
@@ -24,5 +24,6 @@ __all__ = [
     "call_on_fake_gpus",
     "check_cases",
     "default_cases",
+    "read_cases",
     "fake_cuda_here",
 ]

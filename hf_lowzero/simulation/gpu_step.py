@@ -1,15 +1,16 @@
 """The real training step on fake CUDA tensors, one rank at a time, checked as a GPU would run it.
 
 A ``GpuCase`` names a setup (world size, stage, offload, precision, accumulation, unused params,
-whole-parameter ownership). ``simulate_rank`` runs it as one rank: the model on ``cuda:<rank>``
-with the current CUDA device left at 0 (as for a user who moved the model and never called
-``torch.cuda.set_device``), the real ``LowLevelZeroOptimizer`` on a ``SimulatedGroup`` that enforces
-NCCL's rules, ``device.py``'s streams and events stood in by ``FakeCudaOps`` under an
-``AccessChecker``. The rank takes ``steps`` steps of every micro-batch, stages a memory snapshot's
-side-stream copy after the first and lets the host read it the way the encoder does, then runs every
-other writer of the shard (``copy_params_to_master``, ``load_state_dict``), saves a checkpoint and
-exports the full optimizer state. ``check_case`` runs every rank and compares the collectives they
-issued (``nccl.compare_sequences``).
+whole-parameter ownership, how torch's modules in the model read their params: ``READS``).
+``simulate_rank`` runs it as one rank: the model on ``cuda:<rank>`` with the current CUDA device
+left at 0 (as for a user who moved the model and never called ``torch.cuda.set_device``), the real
+``LowLevelZeroOptimizer`` on a ``SimulatedGroup`` that enforces NCCL's rules, ``device.py``'s
+streams and events stood in by ``FakeCudaOps`` under an ``AccessChecker``. The rank takes ``steps``
+steps of every micro-batch, stages a memory snapshot's side-stream copy after the first and lets the
+host read it the way the encoder does, then runs every other writer of the shard
+(``copy_params_to_master``, ``load_state_dict``), saves a checkpoint and exports the full optimizer
+state. ``check_case`` runs every rank and compares the collectives they issued
+(``nccl.compare_sequences``).
 
 Example::
 
@@ -37,12 +38,21 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from hf_lowzero.simulation.nccl import Collective, NcclRuleError, compare_sequences, simulated_world
 from hf_lowzero.simulation.streams import AccessChecker, FakeCudaOps
 from hf_lowzero.zero.runtime import device as dev
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# How the model reads its params (``GpuCase.reads``): each a way torch's own modules read a weight
+# outside the forward of the module holding it ([Note: overlapped all-gather] in zero/update/allgather.py).
+READS = {
+    "modules": "",  # every param read in the forward of a module holding it
+    "mha": "an nn.MultiheadAttention (out_proj's weight read by its parent)",
+    "encoder": "an nn.TransformerEncoderLayer (and its fast path in eval)",
+    "prune": "a layer pruned before wrapping (prune's pre-hook reads weight_orig)",
+}
 PHASES = ("forward", "backward", "step", "gather")  # where host syncs are counted
 
 
@@ -61,6 +71,8 @@ class GpuCase:
     steps: int = 2
     overlap_allgather: bool = True  # the gathers left in flight after the step ([Note: overlapped all-gather])
     head_outside: bool = False  # the model reads the head's weight outside the head's forward (a stale read)
+    reads: str = "modules"  # a pattern of torch's modules that reads weights outside their module: READS
+    evaluate: bool = False  # an evaluation forward (eval, no_grad: torch's fast paths) right after each step
     reduction: str = "ddp"  # or "exact": int64 sums ([Note: exact reduction] in zero/exact/__init__.py)
 
     def __post_init__(self) -> None:
@@ -68,6 +80,8 @@ class GpuCase:
             raise ValueError(f"invalid case {self}")
         if self.reduction not in ("ddp", "exact"):
             raise ValueError(f"invalid case {self}: reduction must be 'ddp' or 'exact'")
+        if self.reads not in READS:
+            raise ValueError(f"invalid case {self}: reads must be one of {sorted(READS)}")
 
     @property
     def label(self) -> str:
@@ -77,6 +91,7 @@ class GpuCase:
         parts += ["bf16 masters"] * (self.master_dtype == "bf16")
         parts += ["gathers waited in the step"] * (not self.overlap_allgather)
         parts += ["head read outside its module"] * self.head_outside
+        parts += [READS[self.reads]] * (self.reads != "modules") + ["evaluated after each step"] * self.evaluate
         parts += ["exact reduction"] * (self.reduction == "exact")
         return ", ".join(parts)
 
@@ -116,21 +131,36 @@ class CaseResult:
 
 class SimNet(nn.Module):
     """Odd shapes (padding at every world size), a branch used by even ranks only, a layer used by
-    none and a frozen layer: every kind of parameter the step handles."""
+    none and a frozen layer: every kind of parameter the step handles; ``reads``: one of READS."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads: str = "modules") -> None:
         super().__init__()
-        self.embed = nn.Embedding(97, 24)
-        self.frozen = nn.Linear(24, 24)
+        # 48 wide with attention: out_proj.weight (48 x 48) fills a bucket (reduce_bucket_mb=0.004) of its own, so
+        # no bucket of the attention's own params holds it
+        width = 48 if reads in ("mha", "encoder") else 24
+        self.embed = nn.Embedding(97, width)
+        self.frozen = nn.Linear(width, width)
         self.frozen.requires_grad_(False)
-        self.body = nn.Linear(24, 40)
+        self.body = nn.Linear(width, 40)
         self.branch = nn.Linear(40, 40)
         self.never = nn.Linear(40, 5)
         self.head = nn.Linear(40, 97)
         self.scale = nn.Parameter(torch.ones(7))
+        self.attention: nn.Module | None = None
+        if reads == "mha":
+            self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        elif reads == "encoder":
+            self.attention = nn.TransformerEncoderLayer(width, 2, 64, dropout=0.0, batch_first=True)
+        elif reads == "prune":
+            prune.l1_unstructured(self.body, "weight", amount=0.25)
 
     def forward(self, ids: torch.Tensor, use_branch: bool, head_outside: bool = False) -> torch.Tensor:
-        h = torch.tanh(self.body(self.frozen(self.embed(ids))))
+        h = self.frozen(self.embed(ids))
+        if isinstance(self.attention, nn.MultiheadAttention):  # self-attention: MHA's own fast path in eval
+            h = h + self.attention(h, h, h, need_weights=False)[0]
+        elif self.attention is not None:
+            h = self.attention(h)
+        h = torch.tanh(self.body(h))
         if use_branch:
             h = h + torch.tanh(self.branch(h))
         logits = nn.functional.linear(h, self.head.weight, self.head.bias) if head_outside else self.head(h)
@@ -187,7 +217,7 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
     ops = FakeCudaOps(checker)
     saved: list[torch.Tensor] = []
     with torch.device("meta"):
-        model = SimNet().to(DTYPES[case.dtype])
+        model = SimNet(case.reads).to(DTYPES[case.dtype])
     world = simulated_world(case.world_size, rank, device, checker, ops)
     with world as record, FakeTensorMode(), checker, dev.use_ops(ops), _checked_writer(saved):
         model = fake_storage(model, device)
@@ -212,6 +242,7 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
         ids = torch.zeros(4, 9, dtype=torch.long, device=device)
         stager = None
         syncs = []
+        use_branch = not case.unused or rank % 2 == 0
         for step in range(case.steps):
             checker.syncs.clear()
             checker.sync_sites.clear()
@@ -221,7 +252,6 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
                 local = opt.no_sync() if case.stage == 1 and not last and not exact else contextlib.nullcontext()
                 with local:
                     with ops.phase("forward"):
-                        use_branch = not case.unused or rank % 2 == 0
                         loss = model(ids, use_branch, case.head_outside) / (1 if exact else case.accumulation)
                     with ops.phase("backward"):
                         opt.backward(loss)
@@ -229,6 +259,11 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
                 opt.step()
                 opt.zero_grad()
             syncs.append({phase: checker.syncs[phase] for phase in PHASES} | {"sites": list(checker.sync_sites)})
+            if case.evaluate:  # with the gathers in flight, as a loop on the optimizer alone evaluates
+                model.eval()
+                with ops.phase("forward"), torch.no_grad():
+                    model(ids, use_branch, case.head_outside)
+                model.train()
             if step == case.steps - 1:  # a memory snapshot's copy, in flight while the Trainer evaluates
                 optimizer_pinned = sum(ops.pinned_allocations)
                 stager = ShardStager(opt)
@@ -302,6 +337,17 @@ def check_case(case: GpuCase) -> CaseResult:
 def check_cases(cases: list[GpuCase]) -> list[CaseResult]:
     """``check_case`` for each, in this process (which must have fake CUDA: ``launch.py``)."""
     return [check_case(case) for case in cases]
+
+
+def read_cases() -> list[GpuCase]:
+    """The reads of torch's own modules that bypass the forward of the module holding the weight
+    (READS), with the gathers in flight at W=2: trained, and the encoder evaluated after each step."""
+    return [
+        GpuCase(2, stage=2, dtype="bf16", reads="mha"),
+        GpuCase(2, stage=2, dtype="bf16", reads="encoder"),
+        GpuCase(2, stage=2, dtype="bf16", reads="encoder", evaluate=True),
+        GpuCase(2, stage=2, dtype="bf16", reads="prune"),
+    ]
 
 
 def default_cases() -> list[GpuCase]:
