@@ -9,13 +9,15 @@
 - The plan's step with gradient checkpointing, reentrant and not: each layer recomputed with the
   GPU's attention kernel.
 - The simulation can fail: each fix undone (the write gate, the params' device for the offload
-  copy's event and for barriers, export gathering on the device, exact pinned buffers) is caught.
+  copy's event and for barriers, export gathering on the device, exact pinned buffers, pinned
+  buffers registered under the params' device) is caught.
 - What needs no simulation, on CPU against a reference: ``use_cpu`` on a GPU machine, kernel choices
   after a load, the snapshot's RNG layout, ``zero_stage="auto"``'s device, exact pinned buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -34,6 +36,7 @@ from hf_lowzero.simulation import (
     NcclRuleError,
     RaceError,
     StaleReadError,
+    WrongDeviceError,
     call_on_fake_gpus,
     check_cases,
     default_cases,
@@ -107,13 +110,30 @@ def _undo_each_fix() -> dict[str, str]:
     with mock.patch.object(exact_step, "dev", _PageableHost(dev)):  # exact mode's flags before the fix
         (result,) = check_cases([GpuCase(2, dtype="bf16", accumulation=2, reduction="exact")])
     outcome["exact flags from pageable memory"] = [site for phase, site in result.runs[0].syncs[-1]["sites"]]
+    try:  # [Note: exact pinned memory]: page-locked with the current device (cuda:0) current, as before the fix
+        with mock.patch.object(dev, "host_buffer", _registered_on_the_current_device):
+            check_cases([GpuCase(2, dtype="bf16", offload=True)])
+        outcome["pinned on the current device"] = "passed"
+    except WrongDeviceError as e:
+        outcome["pinned on the current device"] = f"{type(e).__name__}: {e}"
     rounded = mock.patch.object(
-        dev, "host_buffer", lambda numel, dtype, pin, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin)
+        dev,
+        "host_buffer",
+        lambda numel, dtype, pin_for, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin_for is not None),
     )
     with rounded:
         (result,) = check_cases([GpuCase(2, dtype="bf16", offload=True)])
     outcome["pinned through the caching allocator"] = ", ".join(result.runs[0].caching_pinned)
     return outcome
+
+
+def _registered_on_the_current_device(numel, dtype, pin_for, zero=True):
+    """``device.host_buffer`` before the fix: page-locked with whatever device is current."""
+    from hf_lowzero.zero.runtime import device as dev
+
+    if not dev.is_cuda(pin_for):
+        return torch.zeros(numel, dtype=dtype)
+    return dev.ops().pinned_empty(numel, dtype).zero_()
 
 
 class _PageableHost:
@@ -122,8 +142,8 @@ class _PageableHost:
     def __init__(self, module) -> None:
         self._module = module
 
-    def host_buffer(self, numel, dtype, pin, zero=True):
-        return self._module.host_buffer(numel, dtype, False, zero)
+    def host_buffer(self, numel, dtype, pin_for, zero=True):
+        return self._module.host_buffer(numel, dtype, None, zero)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -293,6 +313,9 @@ def test_each_fix_undone_is_caught(fake_gpu_w2):
     assert "reached NCCL's all_gather" in undone["export gathers host rows"]
     assert undone["barrier on the current device"].startswith("NcclRuleError: rank 1: barrier on cuda:0")
     assert "aten.zeros" in undone["pinned through the caching allocator"]
+    assert undone["pinned on the current device"].startswith(
+        "WrongDeviceError: cudaHostRegister with cuda:0 current, but this rank's GPU is cuda:1"
+    )
     # a third host sync per exact step: the flags' blocking copy to the device
     pageable = undone["exact flags from pageable memory"]
     assert len(pageable) == 3 and "self.host.to(self.device" in pageable[1], pageable
@@ -347,36 +370,51 @@ def test_gpu_plans_run_on_fake_gpus():
 
 
 class _Cudart:
-    """Stands in for the CUDA runtime's page-locking calls (no GPU here)."""
+    """Stands in for the CUDA runtime's page-locking calls and its current device (no GPU here)."""
 
     def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-        self.unregistered: list[int] = []
+        self.current = 0  # the current device: 0, as for a rank that never called torch.cuda.set_device
+        self.registered: dict[int, tuple[int, int]] = {}  # pointer -> (bytes, the device current then)
+        self.unregistered: list[tuple[int, int]] = []  # (pointer, the device current then)
+
+    @contextlib.contextmanager
+    def device(self, device):  # torch.cuda.device
+        previous, self.current = self.current, device if isinstance(device, int) else torch.device(device).index
+        try:
+            yield
+        finally:
+            self.current = previous
 
     def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:  # noqa: N802
-        self.registered[pointer] = size
+        self.registered[pointer] = (size, self.current)
         return 0
 
     def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
-        self.unregistered.append(pointer)
+        self.unregistered.append((pointer, self.current))
         return 0
 
 
-def test_pinned_buffers_are_locked_at_their_exact_size_and_unlocked_when_freed(monkeypatch):
+def test_pinned_buffers_are_locked_at_their_exact_size_on_the_params_device_and_unlocked_when_freed(monkeypatch):
+    """Registered and unregistered with the params' device current (cuda:1 here, with cuda:0 current):
+    the CUDA runtime would make a context on the current device otherwise."""
     from hf_lowzero.zero.runtime import device as dev
 
     cudart = _Cudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "device", cudart.device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cudart.current)
     ops = dev.CudaOps()
     with dev.use_ops(ops):
-        buffer = dev.host_buffer(3_000_001, torch.float32, pin=True)
+        buffer = dev.host_buffer(3_000_001, torch.float32, torch.device("cuda", 1))
         pointer = buffer.untyped_storage().data_ptr()
-        assert cudart.registered == {pointer: 12_000_004}  # not 16 MiB: torch's allocator rounds to 2**24
+        # not 16 MiB (torch's allocator rounds to 2**24), and on cuda:1, not the current cuda:0
+        assert cudart.registered == {pointer: (12_000_004, 1)} and cudart.current == 0
         assert torch.count_nonzero(buffer) == 0
         assert dev.pinned_bytes([buffer, buffer[5:]]) == 12_001_280  # whole pages, counted once
         freed = weakref.ref(buffer)
         del buffer
-        assert freed() is None and cudart.unregistered == [pointer] and dev.pinned_bytes([]) == 0
+        assert freed() is None and cudart.unregistered == [(pointer, 1)] and dev.pinned_bytes([]) == 0
+        assert dev.host_buffer(7, torch.float32, None).is_pinned() is False and len(cudart.registered) == 1
 
 
 # ---------------------------------------------------------------- use_cpu on a GPU machine
