@@ -51,7 +51,28 @@ def _fake_gpu_runs(world_sizes: tuple[int, ...]) -> dict:
     """In the fake-GPU process: every default case at ``world_sizes``, then each fix undone, then
     the plan's step with gradient checkpointing."""
     cases = [case for case in default_cases() if case.world_size in world_sizes]
-    return {"cases": check_cases(cases), "undone": _undo_each_fix(), "checkpointing": _checkpointing_runs()}
+    with _warnings_logged() as warned:
+        results = check_cases(cases)
+    return {"cases": results, "warnings": warned, "undone": _undo_each_fix(), "checkpointing": _checkpointing_runs()}
+
+
+@contextlib.contextmanager
+def _warnings_logged():
+    """Within: the library's warnings, as logged (texts)."""
+    import logging
+
+    texts: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            texts.append(record.getMessage())
+
+    logger, handler = logging.getLogger("hf_lowzero"), Collect(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield texts
+    finally:
+        logger.removeHandler(handler)
 
 
 def _undo_each_fix() -> dict[str, str]:
@@ -190,6 +211,20 @@ def _check_runs(results) -> None:
         # [Note: the divide in the collective]: W=2 and 4 average in NCCL's reduce-scatter, no divide pass
         averaged = {c.reduction for c in result.runs[0].sequence if c.op == "reduce_scatter"}
         assert averaged <= {"PREMUL_SUM"}, (case.label, averaged)
+
+
+def test_exact_mode_on_cuda_params_warns_once_that_the_kernels_are_not_deterministic(fake_gpu_w2):
+    """Exact reduction on (fake) CUDA params with torch's deterministic algorithms off: the optimizer says
+    what to set, once for the process (however many exact optimizers it builds)."""
+    assert sum(result.case.reduction == "exact" for result in fake_gpu_w2["cases"]) >= 1
+    about = [text for text in fake_gpu_w2["warnings"] if "deterministic" in text]
+    assert about == [
+        "[hf_lowzero] reduction='exact' on CUDA with torch's deterministic algorithms off: index_add_ (an "
+        "embedding's backward), atomic-add kernels and the memory-efficient attention's backward sum in a "
+        "run-dependent order, so runs at different world sizes (or twice at one) will differ despite the exact "
+        "reduction. Call torch.use_deterministic_algorithms(True) and set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
+        "environment before CUDA starts."
+    ], fake_gpu_w2["warnings"]
 
 
 def _check_exact(result) -> None:
