@@ -12,7 +12,8 @@
   copy's event and for barriers, export gathering on the device, exact pinned buffers, pinned
   buffers registered under the params' device) is caught.
 - What needs no simulation, on CPU against a reference: ``use_cpu`` on a GPU machine, kernel choices
-  after a load, the snapshot's RNG layout, ``zero_stage="auto"``'s device, exact pinned buffers.
+  after a load, the snapshot's RNG layout, ``zero_stage="auto"``'s device (exact pinned buffers:
+  ``tests/test_pinned_memory.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing
-import weakref
 from unittest import mock
 
 import pytest
@@ -399,57 +399,6 @@ def test_gpu_plans_run_on_fake_gpus():
     assert plans["nccl"].row(2).breakdown["buffers"] == 0 < plans["gloo"].row(2).breakdown["buffers"]
     gpu, cpu = plans["nccl"].row(2, offload=True), plans["gloo"].row(2, offload=True)
     assert gpu.host_bytes == cpu.host_bytes > 0  # the same host rows, counted exactly
-
-
-# ------------------------------------------------------------------------ pinned memory
-
-
-class _Cudart:
-    """Stands in for the CUDA runtime's page-locking calls and its current device (no GPU here)."""
-
-    def __init__(self) -> None:
-        self.current = 0  # the current device: 0, as for a rank that never called torch.cuda.set_device
-        self.registered: dict[int, tuple[int, int]] = {}  # pointer -> (bytes, the device current then)
-        self.unregistered: list[tuple[int, int]] = []  # (pointer, the device current then)
-
-    @contextlib.contextmanager
-    def device(self, device):  # torch.cuda.device
-        previous, self.current = self.current, device if isinstance(device, int) else torch.device(device).index
-        try:
-            yield
-        finally:
-            self.current = previous
-
-    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:  # noqa: N802
-        self.registered[pointer] = (size, self.current)
-        return 0
-
-    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
-        self.unregistered.append((pointer, self.current))
-        return 0
-
-
-def test_pinned_buffers_are_locked_at_their_exact_size_on_the_params_device_and_unlocked_when_freed(monkeypatch):
-    """Registered and unregistered with the params' device current (cuda:1 here, with cuda:0 current):
-    the CUDA runtime would make a context on the current device otherwise."""
-    from hf_lowzero.zero.runtime import device as dev
-
-    cudart = _Cudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(torch.cuda, "device", cudart.device)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: cudart.current)
-    ops = dev.CudaOps()
-    with dev.use_ops(ops):
-        buffer = dev.host_buffer(3_000_001, torch.float32, torch.device("cuda", 1))
-        pointer = buffer.untyped_storage().data_ptr()
-        # not 16 MiB (torch's allocator rounds to 2**24), and on cuda:1, not the current cuda:0
-        assert cudart.registered == {pointer: (12_000_004, 1)} and cudart.current == 0
-        assert torch.count_nonzero(buffer) == 0
-        assert dev.pinned_bytes([buffer, buffer[5:]]) == 12_001_280  # whole pages, counted once
-        freed = weakref.ref(buffer)
-        del buffer
-        assert freed() is None and cudart.unregistered == [(pointer, 1)] and dev.pinned_bytes([]) == 0
-        assert dev.host_buffer(7, torch.float32, None).is_pinned() is False and len(cudart.registered) == 1
 
 
 # ---------------------------------------------------------------- use_cpu on a GPU machine
