@@ -104,7 +104,7 @@ def test_pinned_buffers_are_locked_at_their_exact_size_not_through_the_caching_a
 
     torch.cuda.init()
     before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
-    buffer = dev.host_buffer(3_000_001, torch.float32, pin=True)
+    buffer = dev.host_buffer(3_000_001, torch.float32, torch.device("cuda", 0))
     assert buffer.is_pinned() and torch.count_nonzero(buffer) == 0
     assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before
     assert dev.pinned_bytes([buffer]) == 12_001_280

@@ -11,17 +11,19 @@
 - The plan's step with gradient checkpointing, reentrant and not: each layer recomputed with the
   GPU's attention kernel.
 - The simulation can fail: each fix undone (the write gate, the params' device for the offload
-  copy's event and for barriers, export gathering on the device, exact pinned buffers) is caught.
+  copy's event and for barriers, export gathering on the device, exact pinned buffers, pinned
+  buffers registered under the params' device) is caught.
 - What needs no simulation, on CPU against a reference: ``use_cpu`` on a GPU machine, kernel choices
-  after a load, the snapshot's RNG layout, ``zero_stage="auto"``'s device, exact pinned buffers.
+  after a load, the snapshot's RNG layout, ``zero_stage="auto"``'s device (exact pinned buffers:
+  ``tests/test_pinned_memory.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
-import weakref
 from unittest import mock
 
 import pytest
@@ -36,6 +38,7 @@ from hf_lowzero.simulation import (
     NcclRuleError,
     RaceError,
     StaleReadError,
+    WrongDeviceError,
     call_on_fake_gpus,
     check_cases,
     default_cases,
@@ -51,7 +54,28 @@ def _fake_gpu_runs(world_sizes: tuple[int, ...]) -> dict:
     """In the fake-GPU process: every default case at ``world_sizes``, then each fix undone, then
     the plan's step with gradient checkpointing."""
     cases = [case for case in default_cases() if case.world_size in world_sizes]
-    return {"cases": check_cases(cases), "undone": _undo_each_fix(), "checkpointing": _checkpointing_runs()}
+    with _warnings_logged() as warned:
+        results = check_cases(cases)
+    return {"cases": results, "warnings": warned, "undone": _undo_each_fix(), "checkpointing": _checkpointing_runs()}
+
+
+@contextlib.contextmanager
+def _warnings_logged():
+    """Within: the library's warnings, as logged (texts)."""
+    import logging
+
+    texts: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            texts.append(record.getMessage())
+
+    logger, handler = logging.getLogger("hf_lowzero"), Collect(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield texts
+    finally:
+        logger.removeHandler(handler)
 
 
 def _undo_each_fix() -> dict[str, str]:
@@ -110,13 +134,30 @@ def _undo_each_fix() -> dict[str, str]:
     with mock.patch.object(exact_step, "dev", _PageableHost(dev)):  # exact mode's flags before the fix
         (result,) = check_cases([GpuCase(2, dtype="bf16", accumulation=2, reduction="exact")])
     outcome["exact flags from pageable memory"] = [site for phase, site in result.runs[0].syncs[-1]["sites"]]
+    try:  # [Note: exact pinned memory]: page-locked with the current device (cuda:0) current, as before the fix
+        with mock.patch.object(dev, "host_buffer", _registered_on_the_current_device):
+            check_cases([GpuCase(2, dtype="bf16", offload=True)])
+        outcome["pinned on the current device"] = "passed"
+    except WrongDeviceError as e:
+        outcome["pinned on the current device"] = f"{type(e).__name__}: {e}"
     rounded = mock.patch.object(
-        dev, "host_buffer", lambda numel, dtype, pin, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin)
+        dev,
+        "host_buffer",
+        lambda numel, dtype, pin_for, zero=True: torch.zeros(numel, dtype=dtype, pin_memory=pin_for is not None),
     )
     with rounded:
         (result,) = check_cases([GpuCase(2, dtype="bf16", offload=True)])
     outcome["pinned through the caching allocator"] = ", ".join(result.runs[0].caching_pinned)
     return outcome
+
+
+def _registered_on_the_current_device(numel, dtype, pin_for, zero=True):
+    """``device.host_buffer`` before the fix: page-locked with whatever device is current."""
+    from hf_lowzero.zero.runtime import device as dev
+
+    if not dev.is_cuda(pin_for):
+        return torch.zeros(numel, dtype=dtype)
+    return dev.ops().pinned_empty(numel, dtype).zero_()
 
 
 class _PageableHost:
@@ -125,8 +166,8 @@ class _PageableHost:
     def __init__(self, module) -> None:
         self._module = module
 
-    def host_buffer(self, numel, dtype, pin, zero=True):
-        return self._module.host_buffer(numel, dtype, False, zero)
+    def host_buffer(self, numel, dtype, pin_for, zero=True):
+        return self._module.host_buffer(numel, dtype, None, zero)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -173,6 +214,20 @@ def _check_runs(results) -> None:
         # [Note: the divide in the collective]: W=2 and 4 average in NCCL's reduce-scatter, no divide pass
         averaged = {c.reduction for c in result.runs[0].sequence if c.op == "reduce_scatter"}
         assert averaged <= {"PREMUL_SUM"}, (case.label, averaged)
+
+
+def test_exact_mode_on_cuda_params_warns_once_that_the_kernels_are_not_deterministic(fake_gpu_w2):
+    """Exact reduction on (fake) CUDA params with torch's deterministic algorithms off: the optimizer says
+    what to set, once for the process (however many exact optimizers it builds)."""
+    assert sum(result.case.reduction == "exact" for result in fake_gpu_w2["cases"]) >= 1
+    about = [text for text in fake_gpu_w2["warnings"] if "deterministic" in text]
+    assert about == [
+        "[hf_lowzero] reduction='exact' on CUDA with torch's deterministic algorithms off: index_add_ (an "
+        "embedding's backward), atomic-add kernels and the memory-efficient attention's backward sum in a "
+        "run-dependent order, so runs at different world sizes (or twice at one) will differ despite the exact "
+        "reduction. Call torch.use_deterministic_algorithms(True) and set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
+        "environment before CUDA starts."
+    ], fake_gpu_w2["warnings"]
 
 
 def _check_exact(result) -> None:
@@ -296,6 +351,9 @@ def test_each_fix_undone_is_caught(fake_gpu_w2):
     assert "reached NCCL's all_gather" in undone["export gathers host rows"]
     assert undone["barrier on the current device"].startswith("NcclRuleError: rank 1: barrier on cuda:0")
     assert "aten.zeros" in undone["pinned through the caching allocator"]
+    assert undone["pinned on the current device"].startswith(
+        "WrongDeviceError: cudaHostRegister with cuda:0 current, but this rank's GPU is cuda:1"
+    )
     # a third host sync per exact step: the flags' blocking copy to the device
     pageable = undone["exact flags from pageable memory"]
     assert len(pageable) == 3 and "self.host.to(self.device" in pageable[1], pageable
@@ -367,42 +425,6 @@ def test_gpu_plans_run_on_fake_gpus():
     assert plans["nccl"].row(2).breakdown["buffers"] == 0 < plans["gloo"].row(2).breakdown["buffers"]
     gpu, cpu = plans["nccl"].row(2, offload=True), plans["gloo"].row(2, offload=True)
     assert gpu.host_bytes == cpu.host_bytes > 0  # the same host rows, counted exactly
-
-
-# ------------------------------------------------------------------------ pinned memory
-
-
-class _Cudart:
-    """Stands in for the CUDA runtime's page-locking calls (no GPU here)."""
-
-    def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-        self.unregistered: list[int] = []
-
-    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:  # noqa: N802
-        self.registered[pointer] = size
-        return 0
-
-    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
-        self.unregistered.append(pointer)
-        return 0
-
-
-def test_pinned_buffers_are_locked_at_their_exact_size_and_unlocked_when_freed(monkeypatch):
-    from hf_lowzero.zero.runtime import device as dev
-
-    cudart = _Cudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    ops = dev.CudaOps()
-    with dev.use_ops(ops):
-        buffer = dev.host_buffer(3_000_001, torch.float32, pin=True)
-        pointer = buffer.untyped_storage().data_ptr()
-        assert cudart.registered == {pointer: 12_000_004}  # not 16 MiB: torch's allocator rounds to 2**24
-        assert torch.count_nonzero(buffer) == 0
-        assert dev.pinned_bytes([buffer, buffer[5:]]) == 12_001_280  # whole pages, counted once
-        freed = weakref.ref(buffer)
-        del buffer
-        assert freed() is None and cudart.unregistered == [pointer] and dev.pinned_bytes([]) == 0
 
 
 # ---------------------------------------------------------------- use_cpu on a GPU machine

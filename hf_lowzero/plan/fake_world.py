@@ -49,7 +49,7 @@ def _fake_gpu_world(world_size: int, rank: int, device: torch.device):
     from hf_lowzero.zero.runtime import device as dev
 
     checker = AccessChecker()
-    ops = FakeCudaOps(checker)
+    ops = FakeCudaOps(checker, device)
     with simulated_world(world_size, rank, device, checker, ops), dev.use_ops(ops), ops.on_device(device):
         yield
 

@@ -39,6 +39,11 @@ Example::
 #   the math path with attention dropout, which keeps fp32 scores, mask and softmax per layer; there
 #   attention dropout is turned off, where the CPU takes its flash kernel: the GPU's memory. Models
 #   with eager attention (T5) keep the scores either way.
+# - Not left out: the params' all-gathers in flight ([Note: overlapped all-gather] in
+#   zero/update/allgather.py), which no pool holds on a GPU (``memory_report().gather_buffers``).
+#   The warm-up's update leaves them pending into the tracked step, as every step leaves them to the
+#   next forward, and the tracked update issues them again: the tracker counts each buffer while it
+#   lives. (In a tiny GPT-2 on fake GPUs, W=2 to 8, backward's peak stays above them.)
 # - Allocator effects (CUDA's caching allocator rounding, fragmentation, the CUDA context) are not
 #   tensors: the plan keeps a reserve of device memory for them (``planner.py``).
 # - Integrity checks ([Note: integrity checks] in zero/integrity/checker.py) hold, while they are on, their

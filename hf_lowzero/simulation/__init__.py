@@ -12,7 +12,7 @@
 from hf_lowzero.simulation.gpu_step import CaseResult, GpuCase, check_cases, default_cases, read_cases
 from hf_lowzero.simulation.launch import FakeCudaUnavailable, call_on_fake_gpus, fake_cuda_here
 from hf_lowzero.simulation.nccl import NcclRuleError
-from hf_lowzero.simulation.streams import RaceError, StaleReadError
+from hf_lowzero.simulation.streams import RaceError, StaleReadError, WrongDeviceError
 
 __all__ = [
     "CaseResult",
@@ -21,6 +21,7 @@ __all__ = [
     "NcclRuleError",
     "RaceError",
     "StaleReadError",
+    "WrongDeviceError",
     "call_on_fake_gpus",
     "check_cases",
     "default_cases",

@@ -214,7 +214,7 @@ def simulate_rank(case: GpuCase, rank: int, workdir: str | Path) -> RankRun:
 
     device = torch.device("cuda", rank % 8)  # model.to(f"cuda:{rank}"); the current device stays 0
     checker = AccessChecker()
-    ops = FakeCudaOps(checker)
+    ops = FakeCudaOps(checker, device)  # pinned buffers registered under the params' device
     saved: list[torch.Tensor] = []
     with torch.device("meta"):
         model = SimNet(case.reads).to(DTYPES[case.dtype])

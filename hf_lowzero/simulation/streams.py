@@ -56,6 +56,11 @@ class RaceError(RuntimeError):
     """Two accesses of one storage that CUDA would not order: a real GPU could run them either way."""
 
 
+class WrongDeviceError(RuntimeError):
+    """A CUDA runtime call made with another device current than this rank's GPU: on a real GPU it
+    makes a CUDA context there ([Note: the params' device] in ``zero/runtime/device.py``)."""
+
+
 class StaleReadError(RuntimeError):
     """A param read while its all-gather is in flight: it holds the previous step's values
     ([Note: overlapped all-gather] in ``zero/update/allgather.py``)."""
@@ -269,12 +274,14 @@ class FakeCudaOps:
 
     ``current_device`` is the CUDA device current in this process (0: a user who never called
     ``torch.cuda.set_device``); ``on_device`` changes it, and the NCCL stand-in checks object
-    collectives against it."""
+    collectives against it. ``device``: this rank's GPU (the params'), where page-locking must run
+    (``cudaHostRegister`` makes a context on the current device); None: not checked."""
 
     name = "fake cuda"
 
-    def __init__(self, checker: AccessChecker) -> None:
+    def __init__(self, checker: AccessChecker, device: torch.device | None = None) -> None:
         self.checker = checker
+        self.device = device
         self.current_device = 0
         self.pinned_allocations: list[int] = []  # bytes of each pinned buffer, in allocation order
 
@@ -324,6 +331,12 @@ class FakeCudaOps:
             self.current_device = previous
 
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.device is not None and self.current_device != (self.device.index or 0):
+            raise WrongDeviceError(
+                f"cudaHostRegister with cuda:{self.current_device} current, but this rank's GPU is {self.device}: it "
+                "makes a CUDA context on the current device (half a GiB of GPU 0 for every rank that never called "
+                "torch.cuda.set_device); page-lock under the params' device (device.host_buffer's pin_for)"
+            )
         tensor = torch.empty(numel, dtype=dtype)
         self.checker.pinned.add(_storage(tensor))
         self.pinned_allocations.append(tensor.untyped_storage().nbytes())

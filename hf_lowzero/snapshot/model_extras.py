@@ -17,7 +17,9 @@ Example::
 # the same params, buffers, non-persistent buffers and state-dict hooks (``fingerprint``: one tuple
 # per module, compared at once). A model whose state dict a module writes its own way (a state-dict
 # hook, extra state, its own ``_save_to_state_dict``), or whose entries are not all found in their
-# modules, is walked at every stop.
+# modules, is walked at every stop. Our own state-dict pre-hooks (the overlapped all-gather's, which
+# wait for the gathers and change no entry: ``zero/runtime/own_hooks.py``) are not the model's: a walk
+# would run them and wait for every gather in flight at each stop, for entries no gather writes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from hf_lowzero.checkpoint.shards import unsharded_state
 from hf_lowzero.zero.layout.params import canonical_name
+from hf_lowzero.zero.runtime.own_hooks import is_own_hook
 
 Place = tuple[torch.nn.Module, str, str]  # module, "_parameters" or "_buffers", the name in it
 
@@ -67,15 +70,15 @@ class ModelExtras:
 
 def fingerprint(model: torch.nn.Module) -> tuple:
     """What the places depend on: every module (the object), its params and buffers that are set,
-    its non-persistent buffers and its state-dict hooks."""
+    its non-persistent buffers and its state-dict hooks (a user's: not ours)."""
     return tuple(
         (
             id(m),
             tuple(k for k, v in m._parameters.items() if v is not None),
             tuple(k for k, v in m._buffers.items() if v is not None),
             tuple(m._non_persistent_buffers_set),
-            len(m._state_dict_hooks),
-            len(m._state_dict_pre_hooks),
+            _foreign(m._state_dict_hooks),
+            _foreign(m._state_dict_pre_hooks),
         )
         for m in model.modules()
     )
@@ -85,12 +88,17 @@ def _plain(model: torch.nn.Module) -> bool:
     """No module writes its state dict its own way."""
     base = torch.nn.Module
     return not any(
-        m._state_dict_hooks
-        or m._state_dict_pre_hooks
+        _foreign(m._state_dict_hooks)
+        or _foreign(m._state_dict_pre_hooks)
         or type(m).get_extra_state is not base.get_extra_state
         or type(m)._save_to_state_dict is not base._save_to_state_dict
         for m in model.modules()
     )
+
+
+def _foreign(hooks: dict) -> tuple[int, ...]:
+    """The handle ids of ``hooks`` (a module's hook dict) that are not ours."""
+    return tuple(key for key, hook in hooks.items() if not is_own_hook(hook))
 
 
 def _places(model: torch.nn.Module) -> dict[str, Place]:

@@ -265,14 +265,14 @@ def _staging_like(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     not a multiple of its element size.
     """
     layout = file_layout(tensors)
-    pin = any(t.is_cuda for t in tensors.values())
+    pin_for = next((t.device for t in tensors.values() if t.is_cuda), None)
     if any(start % element_size for _, start, _, element_size in layout.spans):
         return {k: _host_like(t) for k, t in tensors.items()}, None
-    data = dev.host_buffer(layout.data_size, torch.uint8, pin=pin, zero=False)
+    data = dev.host_buffer(layout.data_size, torch.uint8, pin_for, zero=False)
     views = {key: data[start:end].view(tensors[key].dtype).view(tensors[key].shape)
              for key, start, end, _ in layout.spans}  # fmt: skip
     return {key: views[key] for key in tensors}, data
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
-    return dev.host_buffer(t.numel(), t.dtype, pin=t.is_cuda, zero=False).view(t.shape)
+    return dev.host_buffer(t.numel(), t.dtype, t.device, zero=False).view(t.shape)

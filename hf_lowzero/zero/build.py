@@ -29,7 +29,6 @@ from hf_lowzero.zero.layout.packing import inner_view
 from hf_lowzero.zero.layout.params import ParamSlot, WrapGuard, managed_slots
 from hf_lowzero.zero.reads import WaitPlan, WatchedParam
 from hf_lowzero.zero.runtime import comm
-from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.allgather import ParamGather
@@ -115,9 +114,8 @@ def build_parts(
     )
     host_step = None  # [Note: our kernel in torch's place]: offloaded fp32 masters
     if offload and not exact and isinstance(precision, FullPrecisionMasters):
-        pin_rows = pin and dev.is_cuda(device)
         host_step = make_host_step(
-            optimizer, slots, buckets, precision.inner_params, master.flat, pin=pin_rows, rows=store
+            optimizer, slots, buckets, precision.inner_params, master.flat, pin_for=device if pin else None, rows=store
         )
     gather = ParamGather(
         slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard,

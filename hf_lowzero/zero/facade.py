@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from hf_lowzero.zero.build import OptimizerParts
 from hf_lowzero.zero.inner.groups import HOOK_TABLES
 from hf_lowzero.zero.inner.shard_state import load_shard_state, shard_state_dict
 from hf_lowzero.zero.runtime import device as dev
-from hf_lowzero.zero.runtime.memory import MemoryReport, bytes_by_device
+from hf_lowzero.zero.runtime.memory import MemoryReport, bytes_by_device, gather_buffer_bytes
+from hf_lowzero.zero.update.allgather import MAX_GATHERS_IN_FLIGHT
 
 
 class OptimizerFacade(torch.optim.Optimizer):
@@ -253,5 +254,12 @@ class OptimizerFacade(torch.optim.Optimizer):
             optimizer_state=bytes_by_device(state),
             buffers=bytes_by_device(self.model.buffers()),
             comm_buffers=bytes_by_device(reducer.pool.tensors()),
+            gather_buffers=Counter({str(parts.shard.device): self._gather_buffers()}),
             pinned=dev.pinned_bytes(host),
         )
+
+    def _gather_buffers(self) -> int:
+        """The most the all-gathers into the params hold at once ([Note: overlapped all-gather])."""
+        gather = self._parts.gather
+        at_once = None if gather.defer else MAX_GATHERS_IN_FLIGHT
+        return gather_buffer_bytes(gather.buckets, gather.flat, world_size=gather.shard.world_size, at_once=at_once)

@@ -36,10 +36,13 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from hf_lowzero.zero.build import build_parts
+from hf_lowzero.zero.exact import determinism_warning
 from hf_lowzero.zero.facade import OptimizerFacade
+from hf_lowzero.zero.host.threads import host_threads_warning, local_ranks, machine_cores
 from hf_lowzero.zero.inner.policy import check_fresh_optimizer, partition_for
 from hf_lowzero.zero.layout.packing import holding_any
 from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.notices import warn_once
 from hf_lowzero.zero.update.allgather import stale_read_message
 from hf_lowzero.zero.update.kernel_factor import StepFactor
 from hf_lowzero.zero.update.step import StepVerdict, count_skipped_step, unscale_clip_coef
@@ -116,8 +119,13 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         self.last_step_applied: bool | None = None
         self._pending_norm = None  # (grad_version, reduced chunks, verdict) of this step
         self._factor = StepFactor(self.optim, host_rows=self.config.offload_optimizer, host_step=parts.host_step)
-        if self.config.offload_optimizer and self.rank == 0:  # its cores: the worker's (Ray: --cpus-per-worker)
-            logger.info("[hf_lowzero] offload: the host step uses %d threads", torch.get_num_threads())
+        if self.rank == 0:  # said once per process (runtime/notices.py)
+            if self.config.reduction == "exact":
+                warn_once(logger, determinism_warning(self.device))
+            if self.config.offload_optimizer:  # its cores: the worker's (Ray: --cpus-per-worker)
+                threads = torch.get_num_threads()
+                logger.info("[hf_lowzero] offload: the host step uses %d threads", threads)
+                warn_once(logger, host_threads_warning(threads, machine_cores(), local_ranks()))
 
     # ----------------------------------------------------------------------------- backward
 

@@ -8,7 +8,8 @@ not depend on the world size.
   back), C++ kernels on the CPU (``fixed_point.cpp``) with the same bits as the torch ops elsewhere;
 - ``reducer.py``: ``ExactReducer``, quantizing each micro-batch's bucket and summing it in int64;
 - ``step.py``: ``ExactStepStats``, the step's decision: conversion back to float, the exact norm, skips;
-- ``kernels.py``: the inner optimizer's kernels that compute an element alike wherever it sits in a row.
+- ``kernels.py``: the inner optimizer's kernels that compute an element alike wherever it sits in a row,
+  and the warning when a GPU's kernels are not deterministic.
 
 Example::
 
@@ -52,8 +53,8 @@ Example::
 # the RNG (seeded per global micro-batch). The Trainer does all three (``trainer/exact.py``).
 """
 
-from hf_lowzero.zero.exact.kernels import use_row_invariant_kernels
+from hf_lowzero.zero.exact.kernels import determinism_warning, use_row_invariant_kernels
 from hf_lowzero.zero.exact.reducer import ExactReducer
 from hf_lowzero.zero.exact.step import ExactStepStats
 
-__all__ = ["ExactReducer", "ExactStepStats", "use_row_invariant_kernels"]
+__all__ = ["ExactReducer", "ExactStepStats", "determinism_warning", "use_row_invariant_kernels"]

@@ -11,10 +11,16 @@ Adagrad), and whole-parameter ownership steps the same tensors at any world size
 CPU is not switched to fused kernels, and a group that asks for one (transformers' default optimizer,
 ``adamw_torch_fused``, does) is switched to foreach, with a warning.
 
+On a GPU the model's own kernels must be deterministic too: with torch's deterministic algorithms off,
+``index_add_`` (an embedding's backward), other atomic-add kernels and the memory-efficient attention's
+backward sum in an order that changes from run to run, so no two runs agree, at any world size.
+``determinism_warning`` says so, once, when an exact optimizer is built over CUDA params.
+
 Example::
 
     inner = torch.optim.AdamW(params, fused=True)
     use_row_invariant_kernels(inner, "rows", torch.device("cpu"))   # now foreach=True, fused=False
+    determinism_warning(torch.device("cuda", 0))   # a warning's text, or None when deterministic
 """
 
 from __future__ import annotations
@@ -48,3 +54,17 @@ def use_row_invariant_kernels(optimizer: torch.optim.Optimizer, partition: str, 
                 "row changes with the world size (partition='params' keeps fused kernels)",
                 type(part).__name__,
             )
+
+
+def determinism_warning(device: torch.device | str) -> str | None:
+    """What to tell a user of exact mode whose params are on ``device``: None on the CPU or where
+    ``torch.are_deterministic_algorithms_enabled()``; on CUDA otherwise, what breaks and what to set."""
+    if torch.device(device).type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return None
+    return (
+        "reduction='exact' on CUDA with torch's deterministic algorithms off: index_add_ (an embedding's "
+        "backward), atomic-add kernels and the memory-efficient attention's backward sum in a run-dependent "
+        "order, so runs at different world sizes (or twice at one) will differ despite the exact reduction. "
+        "Call torch.use_deterministic_algorithms(True) and set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
+        "environment before CUDA starts."
+    )

@@ -48,7 +48,7 @@ class ExactStepStats:
         self.numels = [slot.shard.numel for slot in slots]
         self.world_size, self.rank = shard.world_size, shard.rank
         # the step's flags (stale reads, used), page-locked on a GPU: sent without a host sync
-        self.host = dev.host_buffer(1 + len(slots), torch.float64, pin=dev.is_cuda(shard.device))
+        self.host = dev.host_buffer(1 + len(slots), torch.float64, shard.device)
         self.last_skip: str | None = None  # why the newest decision skipped the step
 
     def decide(

@@ -127,8 +127,8 @@ class HostGradStore(DeviceGradStore):
 
     def __init__(self, buckets: list[Bucket], *, pin_memory: bool, shard: ShardGroup) -> None:
         self.device, self._buckets = shard.device, buckets
-        self.pin = pin_memory and self.device.type == "cuda"
-        self.flat = dev.host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin)
+        self.pin_for = self.device if pin_memory else None  # page-locked for CUDA params only
+        self.flat = dev.host_buffer(sum(b.row_numel for b in buckets), GRAD_DTYPE, self.pin_for)
         self.stream = dev.side_stream(self.device)  # None on CPU
         self._staging: dict[int, list[torch.Tensor]] = {}  # bucket index -> every staging buffer it made
         self._free: dict[int, list[torch.Tensor]] = {}  # bucket index -> its staging buffers not in use
@@ -177,7 +177,7 @@ class HostGradStore(DeviceGradStore):
             free.pop()
         if free:
             return free.pop()
-        staging = dev.host_buffer(bucket.row_numel, dtype, self.pin)
+        staging = dev.host_buffer(bucket.row_numel, dtype, self.pin_for)
         self._staging.setdefault(bucket.index, []).append(staging)
         return staging
 

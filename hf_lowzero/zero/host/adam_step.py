@@ -2,7 +2,8 @@
 
 Example::
 
-    host_step = make_host_step(inner_optimizer, slots, buckets, inner_params, master.flat, pin=True, rows=store)
+    host_step = make_host_step(inner_optimizer, slots, buckets, inner_params, master.flat,
+                               pin_for=shard.device, rows=store)   # pinned for the params' device
     if not host_step.step(after_chunk=gather.upload):   # False: torch's own step must run
         inner_optimizer.step()
 
@@ -254,7 +255,7 @@ def make_host_step(
     inner_params: list[torch.Tensor | None],
     flat: torch.Tensor,
     *,
-    pin: bool,
+    pin_for: torch.device | None,
     rows: GradRows | None = None,
 ) -> HostAdamStep:
     """The host step over offloaded fp32 master rows ``flat`` (``inner_params`` are views of it, per
@@ -266,7 +267,7 @@ def make_host_step(
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
     keep = covered and dtype in (torch.bfloat16, torch.float16) and flat.dtype == torch.float32
     keep = keep and type(optimizer) in STEPPED_BY_US  # 2 bytes per row element: only where ours may run
-    copy = ParamCopy(dev.host_buffer(flat.numel(), dtype, pin)) if keep else None
+    copy = ParamCopy(dev.host_buffer(flat.numel(), dtype, pin_for)) if keep else None
     for bucket in reversed(buckets):
         held = [(slot, inner_params[slot.index]) for slot in bucket.slots if inner_params[slot.index] is not None]
         outs = tuple(piece_view(copy.flat, slot).view(p.shape) for slot, p in held) if copy else None

@@ -35,7 +35,10 @@ Example::
 # a power of two: a 1.1 GiB offloaded master buffer takes 2 GiB of locked RAM. ``host_buffer``
 # allocates ordinary host memory of the exact size and page-locks it with ``cudaHostRegister``
 # (as torch's distributed checkpoint stager does), unlocked when the tensor is freed, so pinned
-# buffers take what ``memory_report()`` and the memory plan say they take.
+# buffers take what ``memory_report()`` and the memory plan say they take. Both calls run with the
+# params' device current ([Note: the params' device]): the CUDA runtime makes a context on the
+# current device at its first call there, half a GiB of GPU 0 for every rank that never called
+# ``torch.cuda.set_device`` otherwise.
 """
 
 from __future__ import annotations
@@ -91,11 +94,13 @@ class CudaOps:
         return torch.cuda.device(device)
 
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked in the current device's context (``host_buffer`` makes the params' device current)."""
         tensor = torch.empty(numel, dtype=dtype)
         storage = tensor.untyped_storage()
         nbytes, pointer = storage.nbytes(), storage.data_ptr()
         if nbytes == 0:
             return tensor
+        device = torch.cuda.current_device()
         error = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0))
         if error != 0:
             raise RuntimeError(
@@ -103,13 +108,14 @@ class CudaOps:
                 "the node may be out of lockable memory (ulimit -l), or pass pin_memory=False"
             )
         self._pinned[pointer] = _page_rounded(nbytes)
-        finalizer = weakref.finalize(tensor, self._unpin, pointer)
+        finalizer = weakref.finalize(tensor, self._unpin, pointer, device)
         finalizer.atexit = False  # never after the CUDA context is gone
         return tensor
 
-    def _unpin(self, pointer: int) -> None:
+    def _unpin(self, pointer: int, device: int) -> None:
         self._pinned.pop(pointer, None)
-        torch.cuda.cudart().cudaHostUnregister(pointer)
+        with torch.cuda.device(device):  # where it was registered, whatever is current when it is freed
+            torch.cuda.cudart().cudaHostUnregister(pointer)
 
     def pinned_footprint(self, tensor: torch.Tensor) -> int:
         if not self._pinned:  # nothing pinned (and no data pointer read: a memory plan's fake tensors)
@@ -229,12 +235,14 @@ def mark_current(tensors: list[torch.Tensor]) -> None:
         ops().mark_current(tensors)
 
 
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool, zero: bool = True) -> torch.Tensor:
+def host_buffer(numel: int, dtype: torch.dtype, pin_for: torch.device | None, zero: bool = True) -> torch.Tensor:
     """A host tensor of ``numel`` elements (zeroed unless ``zero=False``), page-locked at exactly its
-    size when ``pin`` ([Note: exact pinned memory])."""
-    if not pin:
+    size for the CUDA device ``pin_for`` (the params'), registered with it current ([Note: exact
+    pinned memory]); ordinary memory when ``pin_for`` is None or not a CUDA device."""
+    if not is_cuda(pin_for):
         return torch.zeros(numel, dtype=dtype) if zero else torch.empty(numel, dtype=dtype)
-    tensor = ops().pinned_empty(numel, dtype)
+    with on_device(pin_for):
+        tensor = ops().pinned_empty(numel, dtype)
     return tensor.zero_() if zero else tensor
 
 

@@ -9,8 +9,9 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -92,6 +93,39 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(bytes_by_device(tensors).values())
 
 
+def gather_buffer_bytes(buckets: Sequence[Any], rows: torch.Tensor, *, world_size: int, at_once: int | None) -> int:
+    """The most bytes the params' all-gathers hold at once on a device whose allocator recycles
+    them (CUDA; on the CPU the communication pool keeps them, and ``comm_buffers`` counts them).
+
+    Each bucket's gather holds its gathered buffer (``packed_numel`` elements in the bucket's dtype)
+    and, where the rows it sends are a copy (master ``rows`` in another dtype than the params', or
+    in host memory), this rank's ``row_numel`` elements in that dtype, until it is unpacked
+    ([Note: overlapped all-gather] in ``update/allgather.py``).
+
+    Args:
+        buckets: The bucket plan (``Bucket``: ``dtype``, ``device``, ``packed_numel``, ``row_numel``).
+        rows: The master rows the gathers send from (their dtype and device).
+        world_size: Ranks in the group; at 1 nothing is gathered.
+        at_once: Buckets in flight at once, consecutive in the order they are issued (the plan's
+            reversed); None: every bucket's (deferred gathers, alive from the step to the forward).
+
+    Returns:
+        The bytes.
+    """
+    if world_size == 1:
+        return 0
+    held = []
+    for bucket in reversed(buckets):  # the order the gathers are issued
+        if bucket.device.type == "cpu":
+            held.append(0)
+            continue
+        itemsize = bucket.dtype.itemsize
+        copied = rows.dtype != bucket.dtype or rows.device != bucket.device
+        held.append(itemsize * (bucket.packed_numel + (bucket.row_numel if copied else 0)))
+    window = len(held) if at_once is None else max(1, at_once)
+    return max((sum(held[i : i + window]) for i in range(max(1, len(held) - window + 1))), default=0)
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes one rank holds.
@@ -104,7 +138,9 @@ class MemoryReport:
     ``offload_optimizer`` the master rows, optimizer state and gradient rows sit on ``"cpu"``.
     ``pinned`` is the part of the host bytes that is page-locked (offload with CUDA params: the
     master rows, gradient rows and staging buffers), in whole pages, as the OS counts it
-    ([Note: exact pinned memory] in ``device.py``).
+    ([Note: exact pinned memory] in ``device.py``). ``gather_buffers`` is not held now but the
+    most the params' all-gathers hold at once on CUDA (:func:`gather_buffer_bytes`): with
+    ``overlap_allgather``, from ``step()`` until the next forward unpacks them.
 
     ``LowLevelZeroOptimizer.memory_report()`` builds one (through :meth:`measure`).
 
@@ -118,6 +154,7 @@ class MemoryReport:
         comm_buffers: Bytes of the bucket collectives' scratch.
         by_device: All of it by device name.
         pinned: Page-locked host bytes, in whole pages.
+        gather_buffers: The most bytes the all-gathers into the params hold at once on CUDA.
     """
 
     params: int
@@ -127,6 +164,7 @@ class MemoryReport:
     optimizer_state: int
     buffers: int
     comm_buffers: int = 0
+    gather_buffers: int = 0
     by_device: dict[str, int] = field(default_factory=dict)
     pinned: int = 0
 

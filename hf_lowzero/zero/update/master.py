@@ -39,7 +39,7 @@ class MasterRows:
         self.slots, self.shard = slots, shard
         total = sum(b.row_numel for b in buckets)
         if offload:
-            self.flat = dev.host_buffer(total, dtype, pin_memory and shard.device.type == "cuda")
+            self.flat = dev.host_buffer(total, dtype, shard.device if pin_memory else None)
         else:
             self.flat = torch.zeros(total, dtype=dtype, device=shard.device)
         # Every writer of the rows (and of the optimizer state beside them) passes this gate first.

@@ -69,7 +69,7 @@ class StepStats:
     def __init__(self, slots: int, *, shard: ShardGroup) -> None:
         self.shard, self.slots = shard, slots
         # [squared norm, stale reads, used flags...]; written by the host, read by a non-blocking copy
-        self.host = dev.host_buffer(2 + slots, torch.float64, pin=dev.is_cuda(shard.device))
+        self.host = dev.host_buffer(2 + slots, torch.float64, shard.device)
 
     def decide(
         self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None, squares=None
