@@ -8,7 +8,6 @@ pre-hooks leave the places in use (reading them waits for no gather). Then, end 
 the persistent buffers follows a buffer replaced between two snapshots and one registered later.
 """
 
-import pytest
 import torch
 from torch import nn
 from torch.nn.functional import mse_loss
@@ -145,7 +144,6 @@ def test_a_hook_marked_ours_keeps_the_places():
     assert not found.fits(model)
 
 
-@pytest.mark.xfail(strict=True, reason="until ParamGather.attach marks its hooks with mark_own_hook (issue 54)")
 def test_our_own_state_dict_hooks_keep_the_places_and_a_users_hook_does_not():
     run_distributed(_our_hooks_keep_the_places, 2)
 

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from hf_lowzero.zero.reads.watch import ModuleStack, ParamReads, storage_key
+from hf_lowzero.zero.runtime.own_hooks import mark_own_hook
 
 # Modules that read their descendants' weights directly on a fused path ([Note: every read waits]).
 FUSED_READERS: tuple[type[nn.Module], ...] = (
@@ -53,8 +54,6 @@ FUSED_READERS: tuple[type[nn.Module], ...] = (
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
 )
-
-OUR_HOOK = "_hf_lowzero_hook"  # set on our hook functions (the snapshot cache tells ours from a user's)
 
 
 class Gathers(Protocol):
@@ -78,12 +77,6 @@ class WatchedParam:
 
 class StaleParamRead(RuntimeError):
     """A forward read a param while its all-gather was in flight (``check_param_reads``)."""
-
-
-def ours(hook):
-    """Mark ``hook`` as one of hf_lowzero's (see ``OUR_HOOK``); returns it."""
-    setattr(hook, OUR_HOOK, True)
-    return hook
 
 
 class WaitPlan:
@@ -118,13 +111,13 @@ class WaitPlan:
         root = self.model
         this = weakref.ref(self)
 
-        @ours
+        @mark_own_hook
         def enter(_module, _args) -> None:
             plan = this()
             if plan is not None:
                 plan._enter()
 
-        @ours
+        @mark_own_hook
         def leave(_module, _args, _out) -> None:
             plan = this()
             if plan is not None:
@@ -153,7 +146,7 @@ class WaitPlan:
         key = id(module)
         order: list[tuple[int, ...]] = [()]  # the buckets in the forward's order, kept current
 
-        @ours
+        @mark_own_hook
         def forward_pre_hook(_module, _args) -> None:
             plan = this()
             if plan is None:
@@ -169,7 +162,7 @@ class WaitPlan:
     def _state_dict_hook(self):
         this = weakref.ref(self)
 
-        @ours
+        @mark_own_hook
         def state_dict_pre_hook(*_args, **_kwargs) -> None:
             plan = this()
             gathers = plan._gathers() if plan is not None else None
