@@ -18,7 +18,7 @@ def test_needs_an_initialized_process_group():
         LowLevelZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon])
+@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.Muon])
 def test_whole_tensor_optimizers_are_refused_on_rows(single_rank_group, cls):
     model = nn.Linear(8, 8, bias=False)
     inner = cls(model.parameters(), lr=0.01)
@@ -27,6 +27,21 @@ def test_whole_tensor_optimizers_are_refused_on_rows(single_rank_group, cls):
         LowLevelZeroOptimizer(model, inner, partition="rows")
     assert groups_snapshot(inner) == before  # untouched
     assert LowLevelZeroOptimizer(model, inner).partition == "params"  # what "auto" picks for them
+
+
+@pytest.mark.parametrize("partition", ["auto", "rows", "params"])
+@pytest.mark.parametrize(
+    "cls,kwargs,why",
+    [(torch.optim.LBFGS, {}, "needs a closure"), (torch.optim.SparseAdam, {"lr": 0.01}, "needs sparse gradients")],
+)
+def test_optimizers_zero_cannot_step_are_refused_when_built(single_rank_group, cls, kwargs, why, partition):
+    model = nn.Linear(8, 8, bias=False)
+    inner = cls(model.parameters(), **kwargs)
+    before = groups_snapshot(inner)
+    with pytest.raises(ValueError, match=f"{cls.__name__} cannot run under ZeRO: .*{why}.*Use another optimizer"):
+        LowLevelZeroOptimizer(model, inner, partition=partition)
+    assert groups_snapshot(inner) == before and not inner.state  # untouched
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # no hooks left behind
 
 
 def test_unknown_optimizer_gets_whole_params_or_rows_when_vouched_for(single_rank_group):

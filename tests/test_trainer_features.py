@@ -397,7 +397,9 @@ def test_lora_checkpoints_hold_only_trainable_state(tmp_path):
     "overrides,kwargs,message",
     [
         ({"optim": "adafactor", "zero_partition": "rows"}, {}, "--optim adafactor.*partition='params'"),
-        ({"zero_partition": "rows"}, {"optimizer_cls_and_kwargs": (torch.optim.LBFGS, {})}, "whole tensor"),
+        ({"zero_partition": "rows"}, {"optimizer_cls_and_kwargs": (torch.optim.Adafactor, {})}, "whole tensor"),
+        ({}, {"optimizer_cls_and_kwargs": (torch.optim.LBFGS, {})}, "LBFGS cannot run under ZeRO"),
+        ({}, {"optimizer_cls_and_kwargs": (torch.optim.SparseAdam, {})}, "SparseAdam cannot run under ZeRO"),
     ],
 )
 def test_conflicting_flags_fail_at_construction(tmp_path, overrides, kwargs, message):

@@ -54,7 +54,15 @@ META_FILE = "zero_meta.json"
 EXTRAS_FILE = "zero_model_extras.safetensors"
 TRAINER_SUBDIR = "zero_optimizer"  # the sharded optimizer inside a Trainer checkpoint-N folder
 PARTIAL_SUFFIX = ".partial"  # a save in progress (see [Note: atomic save])
+OLD_SUFFIX = ".old"  # the previous checkpoint, between a save's two renames
 CHECKSUM_CHUNK_NUMEL = 1 << 18  # 1 MiB of fp32 per checksum
+# The packed state classes (tensor subclasses, ``module:qualname``) a checkpoint may name: loading
+# imports one only when its name is here, checked before any import ([Note: loading runs no code]).
+PACKED_STATE_CLASSES: tuple[str, ...] = (
+    "torchao.optim.subclass_8bit:OptimState8bit",
+    "torchao.optim.subclass_4bit:OptimState4bit",
+    "torchao.optim.subclass_fp8:OptimStateFp8",
+)
 
 _RANK_FILE = "zero_shard_rank{rank:05d}_of_{world_size:05d}.safetensors"
 # Files written by one rank only: its optimizer shard, and the Trainer's per-rank RNG state.
@@ -76,6 +84,10 @@ def owner_rank(path: str | PurePath) -> int:
 
 def partial_dir(path: PurePath) -> PurePath:
     return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def old_dir(path: PurePath) -> PurePath:
+    return path.with_name(path.name + OLD_SUFFIX)
 
 
 def master_key(name: str) -> str:
@@ -108,9 +120,18 @@ def format_error(meta: Any) -> str | None:
     )
 
 
+def packed_class_error(name: Any) -> str | None:
+    """Why ``name`` may not be imported as a packed state class, or None ([Note: loading runs no
+    code] in ``meta_check.py``): only the names in ``PACKED_STATE_CLASSES`` are, compared as strings."""
+    if name in PACKED_STATE_CLASSES:
+        return None
+    return f"packed state class {name!r} is not one this hf_lowzero loads (allowed: {', '.join(PACKED_STATE_CLASSES)})"
+
+
 def has_checksums(meta: dict[str, Any]) -> bool:
-    """Whether the checkpoint's files carry checksums: from version 2 on. Version 1 checkpoints (the
-    same layout, saved before checksums existed) still load, their bytes unverified."""
+    """Whether every tensor of the checkpoint must carry checksums: from version 2 on. Version 1
+    checkpoints (the same layout, saved before checksums existed) still load; a tensor whose file
+    holds checksums is verified whatever the version says (an edited version turns nothing off)."""
     return meta["format_version"] >= 2
 
 

@@ -11,7 +11,11 @@ overlap its new rows, builds this rank's shard as a state dict (``shard_state.py
 # [Note: validate, agree, then mutate]
 # Loading reads and checks everything this rank needs into fresh tensors first; the ranks then
 # exchange their verdicts so that all raise together (a rank that raised alone would leave its
-# peers waiting in the next collective). Only when every rank succeeded is any state changed.
+# peers waiting in the next collective). A verdict is any exception, of any type: a damaged file
+# gives a CheckpointError, anything else (a bug, a full disk) its type and message, and every rank
+# raises one CheckpointError naming the ranks and their errors. Only when every rank succeeded is
+# any state changed; the local part of that (load_state_dict) is agreed on again before the
+# collective one (writing the params), so a rank that fails there cannot leave its peers waiting.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE, extra_key, master_key, rank_file_name, state_key
+from hf_lowzero.checkpoint.meta_check import dtype_named
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
 from hf_lowzero.checkpoint.shards import (
     CheckpointError,
@@ -56,38 +61,80 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
 
     Raises:
         CheckpointError: On every rank alike, when any rank could not load: the checkpoint is incomplete
-            or corrupted, or of another model (params, shapes, frozen params or buffers differ), or its
-            param groups differ from ``opt``'s, or it holds optimizer state ``opt`` cannot take (state
-            saved whole, which row shards cannot split; a packed state class that does not import).
-            Nothing of ``opt`` or the model was changed then.
+            or corrupted (its metadata included), or of another model (params, shapes, frozen params or
+            buffers differ), or of another inner optimizer class, or its param groups differ from
+            ``opt``'s, or it holds optimizer state ``opt`` cannot take (state saved whole, which row
+            shards cannot split; a packed state class outside the allowlist, or that does not import),
+            or any other error came on any rank (its type and message, by rank). Nothing of ``opt`` or
+            the model was changed then.
     """
     path = Path(path)
-    view = ShardView.of(opt)
-    extras = unsharded_state(opt.model, view.params, view.names)
-    staged, error, reader = None, None, None
     try:
+        view = ShardView.of(opt)
+        extras = unsharded_state(opt.model, view.params, view.names)
         meta = read_metadata(path)
         _check_compatible(view, extras, meta, path / META_FILE)
         reader = ShardReader(path, meta)
-        staged = _stage(view, extras, reader, meta)
-    except CheckpointError as e:
-        error = str(e)
-    errors = [e for e in comm.all_gather_object(error, view.process_group, view.device) if e is not None]
-    if errors:
-        unique = list(dict.fromkeys(errors))
-        raise CheckpointError("cannot load checkpoint; nothing was changed: " + " | ".join(unique))
+        state_dict, extra_values = _stage(view, extras, reader, meta)
+        failure = None
+    except Exception as e:  # any type, so that every rank raises together
+        failure = e
+    _agree(opt, failure, "cannot load checkpoint; nothing was changed")
 
-    state_dict, extra_values = staged
-    opt.load_state_dict(state_dict)
-    with torch.no_grad():
-        for name, value in extra_values.items():
-            extras[name].copy_(value)
-    opt.zero_grad()
+    try:
+        opt.load_state_dict(state_dict)
+        with torch.no_grad():
+            for name, value in extra_values.items():
+                extras[name].copy_(value)
+        opt.zero_grad()
+        failure = None
+    except Exception as e:
+        failure = e
+    _agree(
+        opt,
+        failure,
+        "checkpoint loaded on some ranks only; the optimizer's state is inconsistent: build it again and "
+        "load a checkpoint before training",
+    )
     opt.copy_master_to_params()
     return {"saved_world_size": meta["world_size"], "saved_stage": meta["stage"], "files_read": reader.files_read}
 
 
+def _agree(opt: LowLevelZeroOptimizer, failure: Exception | None, summary: str) -> None:
+    """Exchange every rank's verdict; when any failed, raise one ``CheckpointError`` on every rank
+    naming each failed rank and its error ([Note: validate, agree, then mutate])."""
+    verdict = None if failure is None else _describe(failure)
+    verdicts = comm.all_gather_object(verdict, opt.process_group, opt.device)
+    failed = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]
+    if not failed:
+        return
+    by_error: dict[str, list[int]] = {}
+    for rank, v in failed:
+        by_error.setdefault(v, []).append(rank)
+    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_error.items()]
+    raise CheckpointError(f"{summary}: " + " | ".join(parts)) from failure
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"unexpected {type(error).__name__}: {error} (a bug or an environment problem, not a damaged file)"
+
+
 def _check_compatible(view: ShardView, extras: dict, meta: dict[str, Any], where: Path) -> None:
+    saved_optimizer = meta.get("inner_optimizer")  # recorded from format version 3 on
+    if saved_optimizer is not None and saved_optimizer != view.inner_optimizer:
+        raise CheckpointError(
+            f"{where}: saved with inner optimizer {' + '.join(saved_optimizer)}, this one wraps "
+            f"{' + '.join(view.inner_optimizer)}; their states and hyperparameters differ. Build the optimizer "
+            "the saved run used (for a new optimizer, load the model's weights only)"
+        )
+    scaler, live = meta["loss_scaler"], view.zero["loss_scaler"]
+    if scaler.get("kind") == live["kind"] and set(scaler) != set(live):
+        raise CheckpointError(
+            f"{where}: field 'loss_scaler' has the keys {sorted(scaler)}, expected {sorted(live)}; the metadata "
+            "is damaged: restore the checkpoint from a good copy, or save it again"
+        )
     saved = meta["params"]
     current = dict(zip(view.names, view.params))
     missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
@@ -135,7 +182,7 @@ def _whole_state(reader: ShardReader, name: str, saved: dict[str, Any], shard, p
     entry = {key: reader.read(file, state_key(name, key), info["shape"]) for key, info in whole.items()}
     for key, info in packed.items():
         try:
-            cls = packed_class(info["class"])
+            cls = packed_class(info["class"])  # an allowlisted name only ([Note: loading runs no code])
         except (ImportError, AttributeError, ValueError) as e:
             raise CheckpointError(f"{reader.path}: optimizer state {key!r} of {name!r}: {e}") from e
         inner = {
@@ -164,7 +211,7 @@ def _stage(view: ShardView, extras: dict, reader: ShardReader, meta: dict[str, A
         dtypes = saved.get("row_state_dtypes", {})
         for key in saved["row_state"]:
             # the saved dtype (bitsandbytes keeps uint8 states); load_state_dict casts and moves
-            entry[key] = torch.zeros(piece, dtype=getattr(torch, dtypes.get(key, "float32")))
+            entry[key] = torch.zeros(piece, dtype=dtype_named(dtypes.get(key, "float32")))
             read_row(reader, state_key(name, key), saved["numel"], shard, view.rank, entry[key], owner)
         entry |= _whole_state(reader, name, saved, shard, view.params[pos])
         state[pos] = entry

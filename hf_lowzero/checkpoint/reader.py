@@ -25,9 +25,11 @@ from hf_lowzero.checkpoint.layout import (
     chunk_span,
     format_error,
     has_checksums,
+    old_dir,
     partial_dir,
     rank_file_name,
 )
+from hf_lowzero.checkpoint.meta_check import check_metadata
 from hf_lowzero.checkpoint.shards import CheckpointError
 from hf_lowzero.zero.layout.partition import ParamShard
 
@@ -36,8 +38,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Parse and check ``zero_meta.json`` of checkpoint directory ``path``."""
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
-        partial = Path(partial_dir(Path(path)))
-        hint = f" (an unfinished save left {partial})" if partial.exists() else ""
+        hint = unfinished_save(Path(path))
         raise CheckpointError(f"{meta_path}: missing; not a complete hf_lowzero checkpoint{hint}")
     try:
         meta = json.loads(meta_path.read_text())
@@ -46,7 +47,24 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     error = format_error(meta)
     if error is not None:
         raise CheckpointError(f"{meta_path}: {error}")
+    check_metadata(meta, meta_path)
     return meta
+
+
+def unfinished_save(path: Path) -> str:
+    """What an interrupted save left beside checkpoint directory ``path`` (which lacks its metadata),
+    as a hint for the error that refuses it, or "" ([Note: atomic save] in ``save.py``)."""
+    partial, old = Path(partial_dir(path)), Path(old_dir(path))
+    if (partial / META_FILE).is_file():
+        previous = f", and {old} the previous one" if old.is_dir() else ""
+        return (
+            f". A save was cut between its last renames: {partial} holds the complete new checkpoint{previous}. "
+            f"Restore it with: mv {partial} {path}"
+        )
+    hint = f". An unfinished save left {partial} (incomplete: not loadable)" if partial.exists() else ""
+    if old.is_dir():
+        hint += f". {old} holds the previous complete checkpoint; restore it with: mv {old} {path}"
+    return hint
 
 
 class ShardReader:
@@ -99,7 +117,8 @@ class ShardReader:
                 data = sl[lo:hi]
         except Exception as e:
             raise CheckpointError(f"{self.path / name}: tensor {key!r} unreadable ({e})") from e
-        error = checksum_error(self._checksums[name].get(key), data, lo) if self._verify else None
+        stored = self._checksums[name].get(key)  # verified whenever present, whatever the version says
+        error = checksum_error(stored, data, lo) if self._verify or stored is not None else None
         if error is not None:
             raise CheckpointError(f"{self.path / name}: tensor {key!r} {error}")
         return data if start is None else data[start - lo : end - lo]

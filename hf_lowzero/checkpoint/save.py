@@ -6,8 +6,12 @@ Example::
 
 # [Note: atomic save]
 # Every rank writes into ``<path>.partial``; rank 0 writes the metadata last and then renames the
-# directory into place. A directory without ``zero_meta.json`` is never loaded, so a crash at any
-# point leaves either the previous checkpoint or a ``.partial`` directory that loading refuses.
+# directory into place: ``<path>`` to ``<path>.old``, ``<path>.partial`` to ``<path>``, then deletes
+# ``<path>.old``; each rename is fsynced in its folder. A directory without ``zero_meta.json`` is never
+# loaded, so a crash at any point leaves the previous checkpoint (as ``<path>`` or, cut between the
+# renames, as ``<path>.old`` beside the complete ``<path>.partial``: loading names both) or a
+# ``.partial`` directory that loading refuses. The next save first finishes an interrupted swap, so
+# it deletes neither copy.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from hf_lowzero.checkpoint.layout import (
     file_checksums,
     format_header,
     master_key,
+    old_dir,
     partial_dir,
     rank_file_name,
     state_key,
@@ -36,6 +41,7 @@ from hf_lowzero.checkpoint.shards import (
     ShardView,
     atomic_write,
     attributes_to_json,
+    replace_synced,
     scalar_to_json,
     unsharded_state,
 )
@@ -44,7 +50,7 @@ from hf_lowzero.zero.runtime import comm
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 
-CRASH_POINT_ENV = "HF_LOWZERO_CRASH_POINT"  # fault injection for tests: "after_rank_files"
+CRASH_POINT_ENV = "HF_LOWZERO_CRASH_POINT"  # fault injection for tests: "after_rank_files", "between_renames"
 
 
 def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_extras: bool = True) -> Path:
@@ -76,8 +82,9 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     view = ShardView.of(opt)
     group = view.process_group
     if view.rank == 0:
+        _finish_interrupted_swap(partial, path)
         if partial.exists():
-            shutil.rmtree(partial)  # left by an earlier crashed save
+            shutil.rmtree(partial)  # left unfinished by an earlier crashed save
         partial.mkdir(parents=True)
     comm.barrier(group, view.device)
     partial.mkdir(parents=True, exist_ok=True)  # ranks on other nodes without a shared filesystem
@@ -238,6 +245,7 @@ def checkpoint_metadata(
         "world_size": view.world_size,
         "stage": view.zero["stage"],
         "partition": view.zero.get("partition", "rows"),
+        "inner_optimizer": view.inner_optimizer,
         "params": params,
         # frozen params and persistent buffers: stored in EXTRAS_FILE, or left to the model's own save
         "extras" if stored else "external": {
@@ -264,11 +272,21 @@ def _dtype_name(t) -> str:
 
 
 def _replace_dir(partial: Path, path: Path) -> None:
-    old = path.with_name(path.name + ".old")
+    old = Path(old_dir(path))
     if path.exists():
         if old.exists():
             shutil.rmtree(old)
-        os.replace(path, old)
-    os.replace(partial, path)
+        replace_synced(path, old)
+    if os.environ.get(CRASH_POINT_ENV) == "between_renames":
+        os._exit(17)
+    replace_synced(partial, path)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _finish_interrupted_swap(partial: Path, path: Path) -> None:
+    """A save cut between its renames left ``path`` missing, the complete new checkpoint in
+    ``partial`` and maybe the previous one in ``<path>.old``: finish the swap before this save starts,
+    so that it deletes neither ([Note: atomic save])."""
+    if not path.exists() and (partial / META_FILE).is_file():
+        replace_synced(partial, path)

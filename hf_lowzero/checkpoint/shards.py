@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hf_lowzero.checkpoint.layout import packed_class_error
+from hf_lowzero.zero.inner.chain import ChainedOptimizer
 from hf_lowzero.zero.inner.shard_state import SECTION, is_row_state, is_whole_state
 from hf_lowzero.zero.layout.params import canonical_name
 from hf_lowzero.zero.layout.partition import ParamShard
@@ -49,6 +51,7 @@ class ShardView:
         rank: This rank's index in that group.
         process_group: The optimizer's process group (None: the default group).
         device: The params' device, where collectives run.
+        inner_optimizer: The inner optimizer's class, or each chained optimizer's, as ``module.qualname``.
     """
 
     state_dict: dict[str, Any]
@@ -59,6 +62,7 @@ class ShardView:
     rank: int
     process_group: Any
     device: torch.device  # the params' device: where collectives run ([Note: the params' device])
+    inner_optimizer: list[str] = field(default_factory=list)
     _kind_cache: dict[int, dict[str, str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -83,6 +87,7 @@ class ShardView:
             rank=opt.rank,
             process_group=opt.process_group,
             device=opt.device,
+            inner_optimizer=optimizer_classes(opt.optim),
         )
 
     @property
@@ -159,6 +164,18 @@ class ShardView:
         return self._of_kind(pos, "scalar")
 
 
+def optimizer_classes(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The class of ``optimizer`` as ``module.qualname``, or of each optimizer of a ``ChainedOptimizer``.
+
+    Example::
+
+        >>> optimizer_classes(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+        ['torch.optim.sgd.SGD']
+    """
+    optimizers = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers]
+
+
 def attributes_to_json(value: Any) -> Any:
     """The non-tensor attributes of a packed tensor (``__tensor_flatten__``'s context) as JSON.
 
@@ -203,7 +220,9 @@ def attributes_from_json(value: Any) -> Any:
 
 def packed_class(path: str) -> type:
     """The tensor subclass named ``module:qualname`` in a checkpoint's metadata, imported (never
-    unpickled): it must be a ``torch.Tensor`` subclass that can be rebuilt from inner tensors.
+    unpickled) only when the name is one of ``layout.PACKED_STATE_CLASSES``, checked first ([Note:
+    loading runs no code] in ``meta_check.py``): a ``torch.Tensor`` subclass that can be rebuilt from
+    inner tensors.
 
     Args:
         path: The class as ``module:qualname``.
@@ -212,10 +231,14 @@ def packed_class(path: str) -> type:
         The class.
 
     Raises:
-        ImportError: The module does not import.
+        ImportError: The module does not import (its package is not installed).
         AttributeError: The module has no such class.
-        ValueError: The name is not a ``torch.Tensor`` subclass with ``__tensor_unflatten__``.
+        ValueError: The name is not in the allowlist, or not a ``torch.Tensor`` subclass with
+            ``__tensor_unflatten__``.
     """
+    error = packed_class_error(path)
+    if error is not None:  # before any import: importing runs the module's code
+        raise ValueError(error)
     module, _, qualname = path.partition(":")
     cls: Any = importlib.import_module(module)
     for part in qualname.split("."):
@@ -295,4 +318,20 @@ def atomic_write(target: Path, write) -> None:
     write(str(tmp))
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, target)
+    replace_synced(tmp, target)
+
+
+def replace_synced(source: Path, target: Path) -> None:
+    """``os.replace(source, target)``, then fsync the folder holding ``target``: a rename is durable only
+    once its folder's entry is on disk (after a power loss the folder could show the old name otherwise).
+
+    Args:
+        source: The file or folder to rename.
+        target: Its new name, in the same filesystem (replaced if it exists; a folder must be empty).
+    """
+    os.replace(source, target)
+    fd = os.open(Path(target).parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

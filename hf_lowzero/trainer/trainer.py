@@ -43,6 +43,7 @@ import functools
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,12 +51,13 @@ from torch import nn
 from transformers import Trainer
 
 from hf_lowzero.checkpoint import load_checkpoint, save_checkpoint
-from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
+from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR, partial_dir
 from hf_lowzero.trainer.arguments import LowZeroTrainingArguments, ZeroArguments
 from hf_lowzero.trainer.auto import resolve_auto_stage
 from hf_lowzero.trainer.callbacks import gate_callbacks
 from hf_lowzero.trainer.compat import check_trainer_flags
 from hf_lowzero.trainer.exact import ExactSteps
+from hf_lowzero.trainer.resume import incomplete_reason, resolve_resume
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
 from hf_lowzero.zero.layout.params import canonical_name
@@ -278,6 +280,27 @@ class LowZeroTrainer(Trainer):
 
     # ------------------------------------------------------------------------ checkpoints
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``Trainer.train``; with ZeRO, a checkpoint whose save was cut is never resumed
+        (``trainer/resume.py``): ``True`` skips it for the last complete one, saying so in one line, and
+        an explicit path to it is refused, naming the complete one.
+
+        Args:
+            resume_from_checkpoint: As for ``Trainer.train``.
+            *args (Any): ``Trainer.train``'s other arguments.
+            **kwargs (Any): ``Trainer.train``'s keyword arguments.
+
+        Returns:
+            (transformers.trainer_utils.TrainOutput): As ``Trainer.train``.
+
+        Raises:
+            ValueError: With ZeRO, the checkpoint to resume is incomplete, or ``True`` finds no complete one.
+        """
+        given = resume_from_checkpoint
+        if self.zero_enabled and given and (given is True or not is_memory_snapshot(given)):
+            resume_from_checkpoint = resolve_resume(given, self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.zero_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
@@ -295,6 +318,8 @@ class LowZeroTrainer(Trainer):
         if not self.zero_enabled or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         zero_dir = os.path.join(checkpoint, TRAINER_SUBDIR)
+        if not os.path.isdir(zero_dir) and os.path.exists(partial_dir(Path(zero_dir))):
+            raise ValueError(f"cannot resume from {checkpoint}: {incomplete_reason(checkpoint)}")
         if not os.path.isdir(zero_dir):
             # save_only_model=True, or a run without ZeRO: Trainer goes on with a fresh optimizer
             # and schedule; so do we, from the weights just loaded into the model.

@@ -21,7 +21,12 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # torch's fused kernels on CPU: several times faster than the default for-loop on the host rows
 # (benchmarks/offload.py measures it); used when the user left the kernel choice open.
 FUSED_ON_CPU: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
-WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "LBFGS", "Muon", "SparseAdam", "Lamb", "LAMB", "Shampoo")
+WHOLE_TENSOR_OPTIMIZERS: tuple[str, ...] = ("Adafactor", "Muon", "Lamb", "LAMB", "Shampoo")
+# Optimizers whose step cannot run under ZeRO at all, on either partition, and why: refused when built.
+UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
+    "LBFGS": "its step() needs a closure that re-evaluates the loss, and ZeRO's step() takes none",
+    "SparseAdam": "it needs sparse gradients, and ZeRO reduces dense ones",
+}
 # Group keys that choose a kernel, not a hyperparameter: they follow where the step runs (host rows
 # with offload, the device otherwise), so a checkpoint never brings them back (``shard_state.py``).
 KERNEL_CHOICES: tuple[str, ...] = ("fused", "foreach", "capturable")
@@ -47,9 +52,14 @@ def choose_partition(cls: type, partition: str, allow_untested: bool) -> str:
 
         >>> choose_partition(torch.optim.AdamW, "auto", allow_untested=False)
         'rows'
-        >>> choose_partition(torch.optim.LBFGS, "auto", allow_untested=False)
+        >>> choose_partition(torch.optim.Adafactor, "auto", allow_untested=False)
         'params'
+
+    Raises:
+        ValueError: ``cls`` cannot run under ZeRO (``UNSUPPORTED_OPTIMIZERS``), or cannot run on
+            ``partition="rows"``.
     """
+    check_supported(cls)
     if partition == "params":
         return "params"
     if partition == "rows":
@@ -57,6 +67,21 @@ def choose_partition(cls: type, partition: str, allow_untested: bool) -> str:
         return "rows"
     elementwise = issubclass(cls, ELEMENTWISE_OPTIMIZERS) or allow_untested
     return "rows" if whole_tensor_style(cls) is None and elementwise else "params"
+
+
+def check_supported(cls: type) -> None:
+    """Raise a clear error when ``cls`` is, or derives from, an optimizer ZeRO cannot step at all.
+
+    Example::
+
+        >>> check_supported(torch.optim.AdamW)
+    """
+    name = next((base.__name__ for base in cls.__mro__ if base.__name__ in UNSUPPORTED_OPTIMIZERS), None)
+    if name is not None:
+        raise ValueError(
+            f"{cls.__name__} cannot run under ZeRO: {UNSUPPORTED_OPTIMIZERS[name]}. Use another optimizer "
+            "(AdamW, SGD, Adafactor, ...), or train it without ZeRO (zero_stage=0)."
+        )
 
 
 def whole_tensor_style(cls: type) -> str | None:
