@@ -193,7 +193,10 @@ class Setup:
             seconds += [end - start for start, end in zip(clock, clock[1:])]
 
     def full_params(self) -> list[torch.Tensor]:
-        """Every param, whole (FSDP2's are gathered: call on all ranks together), in model order."""
+        """Every param, whole (FSDP2's are gathered: call on all ranks together), in model order;
+        ours after their overlapped all-gathers landed ([Note: params are current])."""
+        if isinstance(self.opt, LowLevelZeroOptimizer):
+            self.opt.wait_for_params()
         return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in self.model.parameters()]
 
 
