@@ -104,9 +104,6 @@ def deepspeed_config(stage: int, micro: int) -> dict:
 SETUPS = ["ddp", "ddp_fused", "zero_redundancy", "fsdp2", "deepspeed1", "deepspeed2", "zero1", "zero2"]
 
 
-TRAINER_ZERO = {"overlap_allgather": True}  # the Trainer's defaults where they are not ZeroConfig's
-
-
 class Setup:
     """One way to train ``model`` on the current process group, ``micro`` micro-batches per step.
 
@@ -115,9 +112,10 @@ class Setup:
     rows; ``zero_redundancy``: DDP + torch's ``ZeroRedundancyOptimizer`` over AdamW; ``fsdp2``:
     ``fully_shard`` on each GPT-2 block, then the root (ZeRO-3: params resharded after forward);
     ``deepspeed1``/``deepspeed2``: a DeepSpeed engine, ZeRO stage 1/2, torch AdamW as its client
-    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours as the Trainer runs it, the
-    all-gather overlapped (``zero_config``: ZeroConfig fields besides the stage, over that). Every
-    one runs AdamW with its default hyperparameters in fp32 without clipping. Accumulating, DDP-based setups and stage 1
+    optimizer (:func:`deepspeed_config`); ``zero1``/``zero2``: ours with the optimizer API's
+    defaults (the all-gather waited in the step; ``zero_config``: ZeroConfig fields besides the
+    stage, ``{"overlap_allgather": True}`` for the Trainer's overlap). Every one runs AdamW with its
+    default hyperparameters in fp32 without clipping. Accumulating, DDP-based setups and stage 1
     run the first micro-batches under ``no_sync``; FSDP2 and stage 2 reduce-scatter every one;
     DeepSpeed decides itself (``gradient_accumulation_steps``, ``engine.step()`` per micro-batch).
 
@@ -162,7 +160,7 @@ class Setup:
             stage = int(name[-1])
             self.module = model
             self.opt = LowLevelZeroOptimizer(
-                model, torch.optim.AdamW(model.parameters()), stage=stage, **(TRAINER_ZERO | (zero_config or {}))
+                model, torch.optim.AdamW(model.parameters()), stage=stage, **(zero_config or {})
             )
             self.backward = self.opt.backward
             self.no_sync = self.opt.no_sync if stage == 1 else contextlib.nullcontext
