@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_lowzero.snapshot import segments
+from hf_lowzero.snapshot.format import write_piece
 
 TWO_HOURS_AGO = time.time() - 2 * 3600
 
@@ -92,3 +94,77 @@ def test_a_relative_snapshot_dir_is_refused(monkeypatch):
     monkeypatch.setenv(segments.ENV, "snapshots")
     with pytest.raises(ValueError, match="HF_LOWZERO_SNAPSHOT_DIR='snapshots' is a relative path; expected an abs"):
         segments.snapshot_root()
+
+
+# ------------------------------------------------------------------- a holder's requests
+
+
+@pytest.fixture
+def holder(named):
+    """A holder's request handling without Ray: the actor's class, its state set as ``__init__`` sets it."""
+    from hf_lowzero.ray.holder import SnapshotHolder
+    from hf_lowzero.snapshot.held import HeldSnapshots
+
+    h = object.__new__(SnapshotHolder.__ray_metadata__.modified_class)
+    h.node_id, h.run_id = "node-a", "run-1"
+    h.folder = segments.node_folder(h.run_id, h.node_id)
+    h._held = HeldSnapshots(h.node_id, h.folder)
+    return h
+
+
+def piece(path: Path, step: int = 3) -> dict:
+    """A piece of rank 0 in ``path``, and the request a rank sends for it (one node, no buddy)."""
+    shard = {"w.master": torch.arange(64, dtype=torch.float32)}
+    manifest = write_piece(shard, {}, path, step=step, rank=0, world_size=1, details={})
+    return {"op": "land", "manifest": manifest.frame.wire(), "path": str(path), "buddy": None, "nodes": ["node-a"]}
+
+
+def test_a_holder_keeps_a_piece_of_its_folder(holder):
+    path = segments.piece_path(holder.folder, 3, 0)
+    assert holder._land_request(piece(path))["error"] is None
+    assert holder.index().steps[3].marks.complete and path.is_file()
+
+
+def outside(named: Path) -> Path:
+    return named / "my_dataset" / "train.jsonl"
+
+
+def dotdot(named: Path) -> Path:
+    return Path(str(segments.node_folder("run-1", "node-a")) + "/../../../my_dataset/train.jsonl")
+
+
+def link(named: Path) -> Path:
+    link = segments.node_folder("run-1", "node-a") / "step00000003-rank00000.piece"
+    link.symlink_to(outside(named))
+    return link
+
+
+@pytest.mark.parametrize(
+    "path, why",
+    [
+        (outside, "it resolves to "),
+        (dotdot, "it has a '..'"),
+        (link, "it is a link"),
+        (lambda _: "x.piece", "not an absolute path"),
+    ],
+)
+@pytest.mark.parametrize("frame", ["valid", "malformed"])
+def test_a_holder_refuses_a_path_outside_its_folder_and_touches_nothing(holder, named, tmp_path, path, why, frame):
+    request = piece(tmp_path / "elsewhere.piece")
+    request["path"] = str(path(named))
+    if frame == "malformed":
+        request["manifest"] = {"format": "something else"}
+    before = tree(named)
+    error = holder._land_request(request)["error"]
+    assert error.startswith(f"this holder takes only files directly in its folder {os.path.realpath(holder.folder)}; ")
+    assert why in error and "A rank sends the path piece_path(" in error
+    assert tree(named) == before and outside(named).read_bytes() == b"the user's train.jsonl"
+    assert holder.index().steps == {}
+
+
+def test_a_malformed_frame_in_its_folder_is_refused_and_its_file_freed(holder):
+    path = segments.piece_path(holder.folder, 3, 0)
+    request = piece(path)
+    request["manifest"]["format_version"] = 99
+    assert "snapshot format version" in holder._land_request(request)["error"]
+    assert not path.exists() and holder.index().steps == {}

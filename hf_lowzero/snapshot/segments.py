@@ -110,6 +110,36 @@ def piece_path(folder: Path, step: int, rank: int, copy: bool = False) -> Path:
     return folder / f"{'copy-' if copy else ''}step{step:08d}-rank{rank:05d}.piece"
 
 
+def confined(folder: str | Path, path: object) -> str:
+    """``path`` resolved, when it names a file directly in ``folder``: a holder empties, renames and
+    removes the files it is sent, so it takes none elsewhere ([Note: snapshot folder]).
+
+    Example::
+
+        path = confined(holder_folder, request["path"])    # ValueError: not a file of this folder
+
+    Raises:
+        ValueError: ``path`` is not an absolute path, has a ``..``, is a link, or resolves outside
+            ``folder``; the message names it and the folder.
+    """
+    home = os.path.realpath(folder)
+    why = None
+    if not isinstance(path, str) or not os.path.isabs(path):
+        why = "not an absolute path"
+    elif ".." in Path(path).parts:
+        why = "it has a '..'"
+    elif os.path.islink(path):
+        why = "it is a link"
+    elif os.path.realpath(path) != os.path.join(home, os.path.basename(path)):
+        why = f"it resolves to {os.path.realpath(path)}"
+    if why is not None:
+        raise ValueError(
+            f"this holder takes only files directly in its folder {home}; {path!r} is not one ({why}). "
+            "A rank sends the path piece_path(node_folder(run_id, node_id), step, rank) gives"
+        )
+    return os.path.join(home, os.path.basename(path))
+
+
 def recycle(path: str | Path, keep_at_most: int) -> None:
     """The piece in ``path`` is no longer kept: keep its file as a spare of its size for the next
     piece ([Note: spare files]), or remove it when its folder already has ``keep_at_most`` spares
