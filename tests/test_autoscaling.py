@@ -131,6 +131,15 @@ def test_cluster_yaml_passes_rays_schema():
     validate_config(prepare_config(copy.deepcopy(config)))  # what `ray up` checks, defaults filled in
 
 
+def test_cluster_yaml_binds_the_dashboard_to_loopback_only():
+    # Ray's job-submission API has no authentication of its own: on 0.0.0.0 anyone reaching the head
+    # could run code on the cluster. docs/ray.md says how to reach it (ray dashboard, ssh -L).
+    config = yaml.safe_load((ROOT / "ray_jobs" / "cluster.yaml").read_text())
+    (head,) = [c for c in config["head_start_ray_commands"] if c.startswith("ray start --head")]
+    assert re.findall(r"--dashboard-host[= ](\S+)", head) == ["127.0.0.1"]
+    assert "0.0.0.0" not in (ROOT / "ray_jobs" / "cluster.yaml").read_text()
+
+
 @pytest.mark.parametrize(
     "break_it",
     [

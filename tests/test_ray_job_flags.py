@@ -106,6 +106,21 @@ def test_bad_values_of_every_ray_job_get_argparse_errors(capsys):
     assert "--max-steps 0 is invalid" in refused(autoscale_demo.main, ["--max-steps", "0"], capsys)
 
 
+@pytest.mark.parametrize("name", ["../../escape", "runs/a", "..", ".", "", "a\\b"])
+def test_the_run_name_is_one_plain_folder_name(tmp_path, name, capsys):
+    # The run's folder is <storage>/<name>: '--name ../../escape' had exported outside the storage.
+    sys.path.insert(0, str(ROOT / "ray_jobs"))
+    from finetune import parse_args
+
+    line = refused(parse_args, ["--storage-path", str(tmp_path), "--name", name], capsys)
+    assert line.endswith(
+        f"error: name={name!r} (--name) is invalid; expected a plain name, one folder under the storage path: "
+        "not empty, no '/' or '\\', not only dots, e.g. --name my_run"
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert parse_args(["--storage-path", str(tmp_path), "--name", "run-2.b_c"])[2].name == "run-2.b_c"
+
+
 def test_the_job_lives_above_the_ray_library_whose_old_names_still_work():
     """``hf_lowzero.ray`` never imports the job (``hf_lowzero.recipes.clm_ray``); the job's names it
     used to export are deprecated aliases of the job's own."""

@@ -13,6 +13,7 @@ import torch
 
 from hf_lowzero.snapshot.checks import payload_error, piece_file_error
 from hf_lowzero.snapshot.format import Frame, write_piece
+from hf_lowzero.snapshot.gate import HELLO_TIMEOUT_S, hello
 from hf_lowzero.snapshot.transfer import LENGTH, Endpoint, Link, ask_all
 
 
@@ -141,10 +142,9 @@ def test_a_sender_that_dies_midway_leaves_no_piece(tmp_path, buddy):
     manifest_json, path = _piece(tmp_path, step=7)
     host, port, secret = buddy.receiver.address
     data = path.read_bytes()
-    hello = json.dumps({"secret": secret}).encode()
     header = json.dumps({"op": "piece", "manifest": json.loads(manifest_json), "size": len(data)}).encode()
     with socket.create_connection((host, port)) as conn:
-        conn.sendall(LENGTH.pack(len(hello)) + hello + LENGTH.pack(len(header)) + header + data[: len(data) // 2])
+        conn.sendall(hello(secret) + LENGTH.pack(len(header)) + header + data[: len(data) // 2])
     assert send_piece(buddy.receiver.address, *_piece(tmp_path, step=8)) is None  # it still takes the next one
     deadline = time.monotonic() + 10
     while len(list(buddy.folder.iterdir())) > 1 and time.monotonic() < deadline:
@@ -320,21 +320,45 @@ def test_a_node_keeps_no_more_spares_than_it_is_told():
         assert len(list(Path(d).iterdir())) == 2
 
 
-def test_a_new_holder_sweeps_only_left_over_runs(tmp_path, monkeypatch):
-    # A run whose holders died with the node's Ray left its folder; a live run's folder, and a
-    # recent one that may belong to another cluster on this machine, stay.
-    import os
+def closed_by_the_endpoint(conn: socket.socket) -> bool:
+    """The endpoint closed ``conn`` (waits for it, up to the socket's timeout)."""
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:  # closed with bytes it never read
+        return True
 
-    from hf_lowzero.snapshot import segments
 
-    monkeypatch.setenv(segments.ENV, str(tmp_path / "root"))
-    old = time.time() - 2 * 3600
-    for run in ["live-run", "left-over", "recent"]:
-        piece = segments.node_folder(run, "node-a") / "step00000001-rank00000.piece"
-        piece.write_bytes(b"x")
-        if run != "recent":
-            for p in [piece.parent, piece.parent.parent]:
-                os.utime(p, (old, old))
-    removed = segments.sweep({"live-run"}, older_than_s=3600)
-    assert [p.name for p in removed] == ["left-over"]
-    assert [p.name for p in segments.run_folders()] == ["live-run", "recent"]
+def test_half_open_connections_get_no_thread_and_the_port_keeps_serving(tmp_path, buddy):
+    # [Note: hello] in gate.py: 200 half-open hellos had made 200 threads, each allowed 16 MiB of
+    # header and 120 s before its secret was checked.
+    host, port, secret = buddy.receiver.address
+    standing = Link(buddy.receiver.address)  # opened before the flood
+    assert standing.request({"op": "echo", "value": 0})["got"] == 0  # its thread serves it now
+    threads = threading.active_count()
+    sent = [b"", hello(secret)[:10], LENGTH.pack(1 << 24), hello("0" * 32)[:-1]]  # nothing, part of a hello,
+    flood = []  # a header's 16 MiB length, all of a wrong hello but its last byte
+    try:
+        for i in range(300):
+            flood.append(socket.create_connection((host, port), timeout=10))
+            flood[-1].sendall(sent[i % len(sent)])
+        manifest_json, path = _piece(tmp_path, step=5)
+        assert send_piece(buddy.receiver.address, manifest_json, path) is None  # a new link, through the flood
+        assert threading.active_count() <= threads + 1  # + that link's, ending: the flood got none
+        assert standing.request({"op": "echo", "value": 1}) == {"error": None, "got": 1}
+        assert [p.read_bytes() for p in buddy.kept] == [path.read_bytes()]
+        assert [op for op, _ in buddy.requests] == ["echo", "echo"]  # no byte of the flood was taken for a request
+        assert all(closed_by_the_endpoint(conn) for conn in flood)  # each within HELLO_TIMEOUT_S, or evicted
+    finally:
+        standing.close()
+        for conn in flood:
+            conn.close()
+
+
+def test_a_wrong_hello_is_closed_at_once_and_nothing_after_it_is_read(buddy):
+    host, port, secret = buddy.receiver.address
+    old_style = json.dumps({"secret": secret}).encode()  # a frame: length and JSON, as hellos were
+    for first in [hello("f" * 32), LENGTH.pack(len(old_style)) + old_style + b" " * 64]:
+        with socket.create_connection((host, port), timeout=HELLO_TIMEOUT_S / 2) as conn:  # at once, not timed out
+            conn.sendall(first + LENGTH.pack(2) + b"{}")
+            assert closed_by_the_endpoint(conn)
+    assert buddy.requests == [] and list(buddy.folder.iterdir()) == []

@@ -40,7 +40,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +99,13 @@ class SnapshotHolder:
         """
         start = time.perf_counter()
         try:
-            request = LandRequest.from_wire(wire)
+            path = segments.confined(self.folder, wire.get("path"))  # [Note: snapshot folder]
+        except ValueError as e:  # refused: nothing outside this holder's folder is touched
+            return Landed(str(e)).wire()
+        try:
+            request = replace(LandRequest.from_wire(wire), path=path)
         except ValueError as e:  # not a piece of ours (its format or version): its file is not kept
-            if isinstance(wire.get("path"), str):
-                segments.unlink(wire["path"])
+            segments.unlink(path)
             return Landed(str(e)).wire()
         error = piece_length_error(request.frame, request.path)  # [Note: complete snapshot] in protocol.py
         if error is None and self._held.keep(request.frame, request.path) and request.buddy is not None:

@@ -16,8 +16,9 @@ Example::
     link.send_piece(manifest, path)                                     # None, or what went wrong
 
 # [Note: piece transfer]
-# A frame is 8 bytes of length and a JSON header. A connection's first frame carries the
-# endpoint's secret; then requests go one at a time, each answered with one frame. A request is
+# A connection's first bytes are its hello, which carries the endpoint's secret, read before anything
+# else ([Note: hello] in ``gate.py``). Then requests go one at a time, each answered with one frame;
+# a frame is 8 bytes of length and a JSON header. A request is
 # ``{"op": ...}``: a piece (``"piece"``, with its manifest and size) or any op the endpoint has a
 # handler for (a holder's ``land`` and ``mark``). For a piece the endpoint first asks
 # ``destination(manifest, size)`` where it goes (``ValueError`` refuses it, and that refusal is the
@@ -44,11 +45,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import mmap
 import os
-import secrets
 import select
 import socket
 import struct
@@ -57,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hf_lowzero.snapshot.gate import admit_connections, hello, new_secret
 from hf_lowzero.snapshot.mapped import MappedFiles
 from hf_lowzero.snapshot.segments import take_spare, unlink
 
@@ -71,7 +71,8 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 class Endpoint:
     """A TCP server thread answering ``Link`` requests: pieces, and the ops of ``handlers``
-    ([Note: piece transfer]). Each connection gets a thread; its requests are answered in turn.
+    ([Note: piece transfer]). Each connection that says the secret in its hello gets a thread
+    ([Note: hello] in ``gate.py``); its requests are answered in turn.
 
     Args:
         host: The address to listen on (the node's IP); a free port is chosen.
@@ -97,37 +98,28 @@ class Endpoint:
         self._landed = landed
         self._spares = spares
         self._files = MappedFiles()  # the files pieces were received into, mapped once
-        self._secret = secrets.token_hex(16)
+        secret = new_secret()
         self._server = socket.create_server((host, 0))
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)  # the connections inherit it
-        self.address: Address = (host, self._server.getsockname()[1], self._secret)
-        threading.Thread(target=self._serve, daemon=True, name="hf_lowzero_endpoint").start()
+        self.address: Address = (host, self._server.getsockname()[1], secret)
+        threading.Thread(
+            target=admit_connections, args=(self._server, secret, self._admit), daemon=True, name="hf_lowzero_endpoint"
+        ).start()
 
     def close(self) -> None:
         """Stop accepting connections (open ones end with their next request)."""
         with contextlib.suppress(OSError):
-            self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept() (close alone does not)
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept loop's select (close alone does not)
         self._server.close()
         self._files.close()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._session, args=(conn,), daemon=True).start()
+    def _admit(self, conn: socket.socket) -> None:
+        """A connection whose hello said the secret ([Note: hello] in ``gate.py``): serve it."""
+        threading.Thread(target=self._session, args=(conn,), daemon=True).start()
 
     def _session(self, conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(TIMEOUT_S)
-            try:
-                hello = _read_header(conn)
-            except (OSError, ValueError):
-                return  # not a link of ours, or gone
-            if not hmac.compare_digest(str(hello.get("secret", "")), self._secret):
-                return
             while True:
                 conn.settimeout(None)  # a standing connection: the next snapshot may be minutes away
                 try:
@@ -207,7 +199,7 @@ class Link:
         self._conn: socket.socket | None = socket.create_connection((host, port), timeout=timeout_s)
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
-        _write_header(self._conn, {"secret": secret})
+        self._conn.sendall(hello(secret))  # [Note: hello] in gate.py
 
     @property
     def broken(self) -> bool:

@@ -197,6 +197,7 @@ class RayFinetuneConfig:
     seed: int = _opt(0, "seed for model init and data order")
 
     def __post_init__(self) -> None:
+        _check_plain_name(self.name)
         self.num_workers = parse_num_workers(self.num_workers)
         if self.resize_check_interval_s < 0:
             raise ValueError(f"resize_check_interval_s={self.resize_check_interval_s} is invalid; expected >= 0")
@@ -376,6 +377,16 @@ def _check_cpus(cpus: int | str, resources: dict[str, float] | None) -> int | st
                 "cpus_per_worker and resources_per_worker both set; give one (resources_per_worker may hold 'CPU')"
             )
     return cpus
+
+
+def _check_plain_name(name: str) -> None:
+    """``name`` (``--name``) is one folder name: the run's folder under the storage path is
+    ``<storage>/<name>``, so a ``/`` or ``..`` would put it, and the export, elsewhere."""
+    if not isinstance(name, str) or name.strip(".") == "" or any(c in name for c in "/\\\0"):
+        raise ValueError(
+            f"name={name!r} (--name) is invalid; expected a plain name, one folder under the storage path: "
+            "not empty, no '/' or '\\', not only dots, e.g. --name my_run"
+        )
 
 
 def _fields_named_like(config: RayFinetuneConfig, target: type, renamed: dict[str, str] | None = None) -> dict:
