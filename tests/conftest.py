@@ -1,4 +1,5 @@
 import datetime
+import os
 
 import pytest
 import torch.distributed as dist
@@ -6,6 +7,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_lowzero.recipes.clm import DEFAULT_CORPUS
 from hf_lowzero.testing import preload
+
+# Every forward with the all-gathers in flight is watched: a read of a param before its gather lands
+# raises, naming the param and the module ([Note: every read waits] in hf_lowzero/zero/reads/plan.py).
+os.environ.setdefault("HF_LOWZERO_CHECK_PARAM_READS", "1")
 
 # What most ranks of the distributed tests import: once, in the fork server ([Note: ranks from a fork
 # server] in hf_lowzero/testing.py), not in every rank.

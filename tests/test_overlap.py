@@ -11,6 +11,7 @@ outside the module holding it is stopped with an error naming it, on every rank.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from transformers import TrainerCallback
 
 from hf_lowzero import LowLevelZeroOptimizer, load_checkpoint, save_checkpoint
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.zero.build import CHECK_ENV
 from hf_lowzero.zero.reads import StaleParamRead
 from tests.hf_models import TokenDataset, tiny_gpt2
 from tests.models import BranchyNet, batch, make_inner
@@ -153,6 +155,7 @@ def test_a_weight_read_outside_its_module_waits_where_the_first_forward_read_it(
 
 
 def _stale_body(rank: int, world_size: int, check: bool) -> None:
+    os.environ[CHECK_ENV] = "1" if check else "0"  # the suite's conftest switches the check on
     model = ReadsHeadOutside(late=True)
     opt = LowLevelZeroOptimizer(
         model, make_inner("sgd", model), stage=2, reduce_bucket_mb=0.0005, overlap_allgather=True,
