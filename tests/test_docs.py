@@ -70,6 +70,17 @@ def test_every_block_says_how_it_is_checked():
     assert not wrong, "\n".join(wrong)
 
 
+def test_ci_runs_the_readme_test_command_as_given():
+    """A user's first test run is the README's command, install included: CI runs that very line, so it fails
+    where theirs would (an install of more extras first would hide a package the tests need)."""
+    (readme,) = [b for b in SHELL if b.id.startswith("README.md") and b.directive == "covered .ci/run"]
+    lines = (ROOT / ".ci/run").read_text().splitlines()
+    runs = [line for line in lines if readme.code.strip() in line]
+    assert len(runs) == 1, f".ci/run must run the README's test command as given: {readme.code.strip()}"
+    installs = [line for line in lines[: lines.index(runs[0])] if "pip install" in line and ".[" in line]
+    assert installs == [], f".ci/run installs extras before the README's command: {installs}"
+
+
 def _commands(block: Block) -> list[str]:
     """The block's commands, its lines joined at ``\\``, comments and installs (``pip ... &&``) left out."""
     text = re.sub(r"\\\n\s*", " ", block.code)

@@ -16,6 +16,8 @@ With ``zero_stage=0`` every override below defers to ``Trainer``. With ZeRO on:
 - stage 1 uses ``no_sync()`` for non-final micro-batches, stage 2 reduces every micro-batch;
 - ``zero_reduction="exact"`` makes each step's micro-batches, loss normalization and dropout independent of
   the world size ([Note: an exact Trainer step] in ``exact.py``) and sums gradients in integers;
+- evaluation, prediction, saving, callbacks and TRL's weight syncs to vLLM see the last step's params
+  ([Note: params are current] in ``zero/update/allgather.py``; ``callbacks.py``, ``weight_sync.py``);
 - the logged ``grad_norm`` is the true global norm; ``loss_scale``, ``skipped_steps`` and (with
   more than one rank) ``integrity_checks`` are logged too; a skipped step does not advance the LR
   schedule; a failed integrity check raises ``IntegrityError`` before the update, so no checkpoint
@@ -60,6 +62,7 @@ from hf_lowzero.trainer.exact import ExactSteps
 from hf_lowzero.trainer.resume import incomplete_reason, resolve_resume
 from hf_lowzero.trainer.signature import given_arguments
 from hf_lowzero.trainer.snapshot_files import is_memory_snapshot
+from hf_lowzero.trainer.weight_sync import gate_weight_syncs
 from hf_lowzero.zero.layout.params import canonical_name
 from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
 from hf_lowzero.zero.zero_config import parse_dtype
@@ -110,6 +113,7 @@ class LowZeroTrainer(Trainer):
         if self.zero_enabled:
             check_trainer_flags(self)
             gate_callbacks(self.callback_handler, self._wait_for_params)
+            gate_weight_syncs(self, self._wait_for_params)  # TRL's pushes to vLLM
 
     @property
     def zero_enabled(self) -> bool:

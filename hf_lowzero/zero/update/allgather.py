@@ -53,9 +53,9 @@ Example::
 # weight must not be overwritten by a gather landing later), the optimizer's ``state_dict()`` and every
 # writer of the shard, the step (before the masters the gathers read change), checkpoints,
 # snapshots and exports (they go through ``state_dict()``), and in the Trainer evaluation,
-# prediction, saving and the callbacks of each event (``trainer/trainer.py``). Code that uses the
-# optimizer alone and reads params between ``step()`` and the next forward calls
-# ``LowLevelZeroOptimizer.wait_for_params()``.
+# prediction, saving, the callbacks of each event (``trainer/trainer.py``) and TRL's weight syncs to
+# vLLM (``trainer/weight_sync.py``). Code that uses the optimizer alone and reads params between
+# ``step()`` and the next forward calls ``LowLevelZeroOptimizer.wait_for_params()``.
 """
 
 from __future__ import annotations
