@@ -100,12 +100,14 @@ def main() -> None:
         # Its library, today's benchmarks: without this folder ``benchmarks`` resolves to today's.
         shutil.rmtree(Path(before) / "benchmarks")
         codes = {"before": (before, ["ddp_fused", "zero2"]), **codes}
+    from hf_lowzero.process_guard import run_tied  # here: a --one-run child imports the library it measures
+
     runs: dict[str, list[dict]] = {name: [] for name in codes}
     try:
         for pair in range(a.pairs):
             for name, (code, variants) in codes.items():
                 spec = json.dumps({"code": code, "variants": variants, "rounds": a.rounds})
-                done = subprocess.run([sys.executable, __file__, "--one-run", spec], capture_output=True, text=True)
+                done = run_tied([sys.executable, __file__, "--one-run", spec], capture_output=True, text=True)
                 if done.returncode != 0:
                     sys.exit(f"the run of {name} ({code}) failed:\n{done.stderr[-4000:]}")
                 runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))

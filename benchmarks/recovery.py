@@ -208,9 +208,11 @@ def fit_with_code(root: str, today: str, address: str, fields: dict, log: Path, 
         if result.error:
             raise RuntimeError(f"{fields['name']} failed: {result.error}")
         return
+    from hf_lowzero.process_guard import run_tied  # here: a --one-run child may import an older library
+
     env = dict(os.environ, HF_LOWZERO_BENCH_ROOT=root, PYTHONPATH=root)
     job = json.dumps({"address": address, "root": root, "fields": fields, "log": str(log), "block": block})
-    subprocess.run([sys.executable, __file__, "--one-run", job], env=env, check=True, cwd=root)
+    run_tied([sys.executable, __file__, "--one-run", job], env=env, check=True, cwd=root)
 
 
 def one_run(job: dict) -> None:

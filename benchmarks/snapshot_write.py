@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.before:
         codes = {"before": str(work / "before"), **codes}
         subprocess.run(["git", "-C", root, "worktree", "add", "--detach", codes["before"], a.before], check=True)
+    from hf_lowzero.process_guard import run_tied  # here: a --one-run child may import an older library
+
     runs = []
     try:
         for r in range(a.rounds):
@@ -137,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                     out = work / f"{r}_{model.replace(' ', '_')}_{code}.json"
                     job = json.dumps({"model": model, "steps": a.steps, "out": str(out)})
                     env = dict(os.environ, HF_LOWZERO_BENCH_ROOT=code_root, PYTHONPATH=code_root)
-                    subprocess.run([sys.executable, __file__, "--one-run", job], env=env, check=True, cwd=code_root,
-                                   stdout=subprocess.DEVNULL)  # fmt: skip
+                    run_tied([sys.executable, __file__, "--one-run", job], env=env, check=True, cwd=code_root,
+                             stdout=subprocess.DEVNULL)  # fmt: skip
                     runs.append({"round": r, "model": model, "code": code, **json.loads(out.read_text())})
                     print(runs[-1], flush=True)
     finally:

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf_lowzero.process_guard import die_with_parent
+
 TIMEOUT = datetime.timedelta(seconds=120)  # a hang fails the test instead of blocking the suite
 
 
@@ -31,6 +33,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, kwargs, backend: str = "gloo") -> None:
+    die_with_parent()  # a rank ends with the process that started it ([Note: parent death] in process_guard.py)
     # The same variables torchrun sets, so libraries that read them (accelerate) see this world.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

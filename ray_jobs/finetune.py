@@ -62,8 +62,9 @@ def parse_args(argv=None) -> tuple[str | None, str | None, RayFinetuneConfig]:
     given.setdefault("name", f"{RayFinetuneConfig().name}_{time.strftime('%Y%m%d-%H%M%S')}")  # a new run
     try:
         config = RayFinetuneConfig(**given)
-    except ValueError as e:  # a bad flag value: argparse's one line and exit status 2
-        p.error(str(e))
+        config.check_training_arguments()  # what the workers would refuse, refused before a cluster starts
+    except (ValueError, OSError) as e:  # a bad flag value: one line and exit status 2, as argparse's errors
+        p.exit(2, f"{p.prog}: error: {e}\n")
     address = a.address or os.environ.get("RAY_ADDRESS")
     export_dir = a.export_dir and os.path.abspath(a.export_dir)
     if not export_dir and not address and "://" not in config.storage_path:  # a local run exports by default

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 
 import pytest
 import torch
@@ -57,3 +58,23 @@ def test_a_source_that_does_not_compile_says_why(tmp_path, monkeypatch):
         pytest.skip(broken.why)
     assert isinstance(broken, native.NativeUnavailable) and "compiling broken.cpp failed" in broken.why
     assert not list((tmp_path / "cache").glob("*"))  # nothing half-written left behind
+
+
+def test_a_damaged_library_in_the_cache_is_rebuilt_not_loaded(tmp_path, monkeypatch, caplog):
+    """[Note: a checked cache]: the sha256 recorded at build time is checked before every load."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    source = tmp_path / "axpy.cpp"
+    source.write_text(SOURCE)
+    if isinstance(first := native._load(source), native.NativeUnavailable):
+        pytest.skip(first.why)
+    (built,) = (tmp_path / "cache").glob("libaxpy_*.so")
+    assert (tmp_path / "cache" / (built.name + ".sha256")).read_text() == hashlib.sha256(built.read_bytes()).hexdigest()
+    built.unlink()  # a new file, as a damaged or replaced one (the loaded one stays mapped, unharmed)
+    built.write_bytes(b"\x7fELF not the library we built")
+    with caplog.at_level("WARNING", logger=native.__name__):
+        library = native._load(source)
+    assert f"{built} does not match the sha256 recorded when it was built; rebuilding it" in caplog.text
+    assert not isinstance(library, native.NativeUnavailable), library.why
+    rebuilt = built.read_bytes()
+    assert rebuilt.startswith(b"\x7fELF") and b"not the library" not in rebuilt
+    assert (tmp_path / "cache" / (built.name + ".sha256")).read_text() == hashlib.sha256(rebuilt).hexdigest()

@@ -160,3 +160,48 @@ def test_reduction_flag(monkeypatch, capsys):
     assert "needs zero_stage 1, 2 or auto" in line
     line = refused(parse_args, ["--reduction", "exact", "--num-workers", "1-3", "--global-batch-size", "16"], capsys)
     assert "global_batch_size=16 is not a positive multiple of per_device_train_batch_size * world size = 4 * 3" in line
+
+
+# Flags the workers used to refuse only after a cluster start, or nobody refused (issue 55).
+BAD_FLAGS = [
+    (["--zero-config", "not json"], "zero_config='not json' is neither an existing file nor valid JSON"),
+    (["--optim", "not_an_optim"], "optim='not_an_optim' is invalid; expected one of the Trainer's optimizers"),
+    (["--per-device-train-batch-size", "0"], "per_device_train_batch_size=0 is invalid; expected a number >= 1"),
+    (["--gradient-accumulation-steps", "0"], "gradient_accumulation_steps=0 is invalid; expected a number >= 1"),
+    (["--learning-rate", "-1"], "learning_rate=-1.0 is invalid; expected a number >= 0"),
+    (["--num-to-keep", "0"], "num_to_keep=0 is invalid; expected a number >= 1"),
+    (["--max-failures", "-5"], "max_failures=-5 is invalid; expected >= 0, or -1 to restart without end"),
+    (["--zero-stage", "0", "--zero-config", '{"stage": 1}'], "zero_config sets stage=1 but zero_stage=0"),
+    (["--zero-stage", "0", "--zero-config", '{"reduce_bucket_mb": -1}'], "reduce_bucket_mb"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_FLAGS, ids=[argv[-2] for argv, _ in BAD_FLAGS])
+def test_the_driver_refuses_what_the_workers_would_in_one_line(argv, message, capsys):
+    """``parse_args`` builds the job's TrainingArguments (and ZeroConfig) as a worker would."""
+    sys.path.insert(0, str(ROOT / "ray_jobs"))
+    from finetune import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and ": error: " in err and message in err, err
+
+
+@pytest.mark.parametrize("argv", [BAD_FLAGS[0][0], BAD_FLAGS[1][0]], ids=["zero_config", "optim"])
+def test_the_job_script_refuses_a_bad_flag_before_ray_starts(argv, tmp_path):
+    """The real entry: exit status 2, one error line naming the flag, and no Ray instance (none of
+    its session files under RAY_TMPDIR, nothing of its start-up printed)."""
+    import subprocess
+
+    env = dict(os.environ, RAY_TMPDIR=str(tmp_path / "ray"))
+    env.pop("RAY_ADDRESS", None)
+    script = [sys.executable, str(ROOT / "ray_jobs" / "finetune.py"), "--storage-path", str(tmp_path / "runs"), *argv]
+    done = subprocess.run(script, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    flag = argv[0][2:].replace("-", "_")
+    assert len(errors) == 1 and errors[0].startswith(f"finetune.py: error: {flag}="), done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert "Ray" not in done.stderr and not (tmp_path / "ray").exists() and not (tmp_path / "runs").exists()

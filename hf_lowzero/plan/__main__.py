@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_devices(own.model, args, **options)
         else:
             plan = plan_memory(own.model, args, device_memory=device_memory, **options)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.error(str(e))  # argparse's one line and exit status 2, as for a flag it parses itself
+    except (ValueError, TypeError, OSError) as e:  # OSError: e.g. a config.json that is not JSON
+        parser.exit(2, f"{parser.prog}: error: {e}\n")  # one line and exit status 2, as argparse's errors
     print(plan.to_text())
     if own.json:
         from pathlib import Path

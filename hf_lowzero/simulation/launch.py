@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hf_lowzero.process_guard import run_tied
+
 SOURCE = Path(__file__).with_name("fake_cuda.cpp")
 CACHE_ENV = "HF_LOWZERO_CACHE"
 
@@ -138,7 +140,8 @@ def call_on_fake_gpus(fn, *args, **kwargs):
         job.write_bytes(pickle.dumps((fn, args, kwargs)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), env.get("PYTHONPATH", "")] if p)
-        run = subprocess.run([sys.executable, "-c", _BOOT, str(library or ""), str(job), str(result)], env=env)
+        # [Note: parent death] in process_guard.py: a plan killed by its caller's timeout takes the simulation along
+        run = run_tied([sys.executable, "-c", _BOOT, str(library or ""), str(job), str(result)], env=env)
         if not result.is_file():
             raise RuntimeError(f"the fake-GPU process ended with exit code {run.returncode} before reporting")
         ok, value = pickle.loads(result.read_bytes())

@@ -61,8 +61,7 @@ class ZeroArguments:
             from hf_lowzero.plan.planner import parse_bytes
 
             parse_bytes(self.zero_device_memory, "zero_device_memory")
-        if self.zero_stage:
-            self.to_zero_config(stage=2)  # validate every knob now, not at the first step
+        self.to_zero_config(stage=2)  # validate every knob now (also with zero_stage=0), not at the first step
         if self.zero_reduction == "exact":
             check_exact_arguments(self)  # [Note: an exact Trainer step]
 
@@ -86,11 +85,14 @@ class ZeroArguments:
             The validated configuration; with ``zero_stage`` 0 or ``"auto"`` (not resolved yet) its stage is 2.
 
         Raises:
-            ValueError: ``zero_config`` is not a JSON object (given, or in the file it names), or names
-                an unknown field, or a knob has an invalid value.
+            ValueError: ``zero_config`` is neither an existing file nor valid JSON, or is not a JSON object,
+                or names an unknown field, or sets ``stage``/``clip_grad_norm`` to another value than
+                ``zero_stage``/``max_grad_norm``, or a knob has an invalid value.
             OSError: ``zero_config`` names a file that cannot be read.
         """
         base = _load_json_config(self.zero_config)
+        _check_flag_owned(base, "stage", self.zero_stage, "zero_stage")
+        _check_flag_owned(base, "clip_grad_norm", float(self.max_grad_norm or 0.0), "max_grad_norm")
         flags = {
             "reduce_bucket_mb": self.zero_reduce_bucket_mb,
             "overlap_communication": self.zero_overlap_communication,
@@ -153,10 +155,10 @@ class LowZeroTrainingArguments(ZeroArguments, TrainingArguments):
         zero_config: Other ``ZeroConfig`` fields: a JSON object, or the path of a JSON file holding one.
 
     Raises:
-        ValueError: ``zero_stage`` or ``zero_device_memory`` is invalid, or (with ZeRO on) a knob or
-            ``zero_config`` is: every one is validated at construction, not at the first step.
+        ValueError: ``zero_stage`` or ``zero_device_memory`` is invalid, or a knob or ``zero_config`` is
+            (also with ``zero_stage=0``): every one is validated at construction, not at the first step.
             ``TrainingArguments``' own checks raise as they do there.
-        OSError: With ZeRO on, ``zero_config`` names a file that cannot be read.
+        OSError: ``zero_config`` names a file that cannot be read.
     """
 
     zero_stage: str = field(
@@ -256,13 +258,35 @@ def parse_stage(value: object) -> int | str:
 
 
 def _load_json_config(value: str | None) -> dict:
+    """``zero_config`` parsed: the JSON object it holds, or the one in the file it names."""
     if not value:
         return {}
-    text = Path(value).read_text() if not value.lstrip().startswith("{") else value
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # e.g. a JSON text too long for a file name
+        is_file = False
+    text = Path(value).read_text() if is_file else value
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"zero_config={value!r} is neither a JSON object nor a path to one: {e}") from e
+        what = (
+            f"the file zero_config={value!r} is not valid JSON"
+            if is_file
+            else f"zero_config={value!r} is neither an existing file nor valid JSON"
+        )
+        raise ValueError(
+            f"{what} ({e}); expected a JSON object of ZeroConfig fields, e.g. '{{\"initial_scale\": 1024}}', "
+            "or the path of a file holding one"
+        ) from e
     if not isinstance(data, dict):
         raise ValueError(f"zero_config must be a JSON object of ZeroConfig fields, got {type(data).__name__}")
     return data
+
+
+def _check_flag_owned(zero_config: dict, key: str, flag_value: object, flag: str) -> None:
+    """``zero_config`` may repeat a field its own flag sets, but not contradict it."""
+    if key in zero_config and zero_config[key] != flag_value:
+        raise ValueError(
+            f"zero_config sets {key}={zero_config[key]!r} but {flag}={flag_value!r}; {flag} sets it: "
+            f"give the value as {flag} and drop {key!r} from zero_config"
+        )

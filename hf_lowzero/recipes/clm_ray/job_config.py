@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from transformers.training_args import OptimizerNames
 
 from hf_lowzero.plan.planner import parse_bytes
 from hf_lowzero.ray.elastic import accumulation_for_global_batch, parse_num_workers, worker_range
@@ -226,6 +229,17 @@ class RayFinetuneConfig:
             self._check_exact()
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
+        _check_at_least(self, per_device_train_batch_size=1, gradient_accumulation_steps=1, num_to_keep=1)
+        _check_at_least(self, learning_rate=0.0)
+        if self.optim not in {name.value for name in OptimizerNames}:
+            raise ValueError(
+                f"optim={self.optim!r} is invalid; expected one of the Trainer's optimizers, e.g. adamw_torch, "
+                f"adafactor, sgd (all: {', '.join(name.value for name in OptimizerNames)})"
+            )
+        if self.max_failures < -1:
+            raise ValueError(
+                f"max_failures={self.max_failures} is invalid; expected >= 0, or -1 to restart without end"
+            )
         for name in ("inject_failure_at_step", "inject_corruption_at_step"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= self.max_steps:
@@ -342,11 +356,33 @@ class RayFinetuneConfig:
             ValueError: ``zero_config`` is not a JSON object of ``ZeroConfig`` fields, or the arguments are
                 invalid together (``LowZeroTrainingArguments``' and ``TrainingArguments``' own checks).
         """
+        return LowZeroTrainingArguments(output_dir=output_dir, **self._training_argument_values(world_size))
+
+    def _training_argument_values(self, world_size: int) -> dict:
         given = _fields_named_like(self, LowZeroTrainingArguments, TRAINING_ARGUMENT_NAMES)
         given |= JOB_TRAINING_ARGUMENTS
         given["gradient_accumulation_steps"] = self.gradient_accumulation_for(world_size)
         given["use_cpu"] = not self.use_gpu
-        return LowZeroTrainingArguments(output_dir=output_dir, **given)
+        return given
+
+    def check_training_arguments(self) -> None:
+        """Build the job's Trainer arguments once, as every worker will, so that whatever
+        ``TrainingArguments`` or ``ZeroConfig`` refuse (``--optim``, ``--zero-config``, ...) is refused
+        before a cluster starts. The driver calls it (``ray_jobs/finetune.py``, ``build_trainer``).
+
+        Built on the CPU (``use_cpu=True``): the driver may have no GPU, and constructing the arguments
+        sets up this process's accelerator state, which a worker's own arguments must do.
+
+        Example::
+
+            RayFinetuneConfig(optim="not_an_optim").check_training_arguments()   # ValueError
+
+        Raises:
+            ValueError: The arguments are invalid (the message names the field).
+            OSError: ``zero_config`` names a file that cannot be read.
+        """
+        given = self._training_argument_values(worker_range(self.num_workers)[0]) | {"use_cpu": True}
+        LowZeroTrainingArguments(output_dir=str(Path(tempfile.gettempdir()) / "hf_lowzero_check"), **given)
 
     def clm_arguments(self) -> ClmArguments:
         """The recipe's model and data arguments: the fields named like ``ClmArguments`` fields that
@@ -387,6 +423,13 @@ def _check_plain_name(name: str) -> None:
             f"name={name!r} (--name) is invalid; expected a plain name, one folder under the storage path: "
             "not empty, no '/' or '\\', not only dots, e.g. --name my_run"
         )
+
+
+def _check_at_least(config: RayFinetuneConfig, **lowest: float) -> None:
+    for name, low in lowest.items():
+        value = getattr(config, name)
+        if value < low:
+            raise ValueError(f"{name}={value} is invalid; expected a number >= {low:g}")
 
 
 def _fields_named_like(config: RayFinetuneConfig, target: type, renamed: dict[str, str] | None = None) -> dict:

@@ -75,18 +75,43 @@ def _load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | Nati
     key = hashlib.sha256(text + " ".join(flags).encode() + compiler.encode() + _cpu_flags().encode()).hexdigest()
     cache = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "hf_lowzero"))
     target = cache / f"lib{source.stem}_{key[:16]}.so"
-    if not target.is_file():
+    checked = _matches_recorded_digest(target)  # [Note: a checked cache]
+    if target.is_file() and not checked:
+        logger.warning("[hf_lowzero] %s does not match the sha256 recorded when it was built; rebuilding it", target)
+    if not checked:
         cache.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.partial")  # another process may build it meanwhile
         built = subprocess.run([compiler, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
         if built.returncode != 0:
             partial.unlink(missing_ok=True)
             return NativeUnavailable(f"compiling {source.name} failed:\n{built.stderr[-1500:]}")
+        digest = _digest_path(target)
+        digest.with_suffix(f".{os.getpid()}.partial").write_text(_sha256(partial))
+        os.replace(digest.with_suffix(f".{os.getpid()}.partial"), digest)
         os.replace(partial, target)  # atomic: a reader sees no half-written library
     try:
         return ctypes.CDLL(str(target))
     except OSError as error:
         return NativeUnavailable(f"loading {target} failed: {error}")
+
+
+# [Note: a checked cache] A library in the cache is loaded only if its sha256 is the one recorded
+# beside it (``<library>.sha256``) when this code built it: a library damaged or replaced in the cache
+# is rebuilt, not loaded. This guards against corruption and stray files; whoever can write the cache
+# can write the digest too, so it is no defence against tampering: keep the cache private.
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _matches_recorded_digest(library: Path) -> bool:
+    try:
+        return _digest_path(library).read_text().strip() == _sha256(library)
+    except OSError:
+        return False
 
 
 def _cpu_flags() -> str:

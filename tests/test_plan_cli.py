@@ -1,0 +1,15 @@
+"""The plan command's answer to a bad model folder: one line and exit status 2, no traceback."""
+
+import pytest
+
+from hf_lowzero.plan.__main__ import main as plan_main
+
+
+def test_a_config_json_that_is_not_json_gets_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exited:
+        plan_main(["--model", str(tmp_path), "--device-memory", "1GiB"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"the config file at '{tmp_path / 'config.json'}' is not a valid JSON file" in err
