@@ -87,7 +87,6 @@ class WaitPlan:
         self.model, self.params, self.check = model, params, check
         self._gathers = weakref.ref(gathers)  # held weakly ([Note: hooks hold the optimizer weakly])
         self.storages = {storage_key(p.param): i for i, p in enumerate(params)}
-        self.names = {id(m): name or "<root>" for name, m in model.named_modules(remove_duplicate=False)}
         self.waits: dict[int, set[int]] = {}  # id(module) -> the buckets its pre-hook waits for
         self.learned: set[tuple[bool, bool]] = set()  # the kinds of forward whose reads were learned
         self._hooks: list = []
@@ -189,7 +188,7 @@ class WaitPlan:
             self._watch.append(None)
             return
         stack = ModuleStack()
-        reads = ParamReads(self.storages, lambda index: self._on_read(index, stack, reads, learning))
+        reads = ParamReads(self.storages, lambda index: self._on_read(index, stack, learning))
         stack.__enter__()
         reads.__enter__()
         self._watch.append((stack, reads))
@@ -217,7 +216,7 @@ class WaitPlan:
         with watch[1].paused():  # our own unpack is no read
             gathers.wait(indices)
 
-    def _on_read(self, index: int, stack: ModuleStack, reads: ParamReads, learning: bool) -> None:
+    def _on_read(self, index: int, stack: ModuleStack, learning: bool) -> None:
         param = self.params[index]
         module = stack.top() or self.model
         gathers = self._gathers()
@@ -225,12 +224,13 @@ class WaitPlan:
             if param.bucket not in self.waits.get(id(module), ()):
                 self._wait_at(module, {param.bucket})
             if gathers is not None and param.bucket in gathers.pending:
-                with reads.paused():
-                    gathers.wait((param.bucket,))
+                self._wait(gathers, (param.bucket,))
             return
         if gathers is not None and param.bucket in gathers.pending:
+            names = (name or "<root>" for name, m in self.model.named_modules() if m is module)
+            where = next(names, type(module).__name__)
             raise StaleParamRead(
-                f"{param.name!r} was read in the forward of {self.names.get(id(module), type(module).__name__)!r} "
+                f"{param.name!r} was read in the forward of {where!r} "
                 f"({type(module).__name__}) while its all-gather was still in flight: the forward saw the previous "
                 "step's values (check_param_reads; [Note: every read waits] in hf_lowzero/zero/reads/plan.py). A path "
                 "first taken after its kind of forward was learned reads it there; call "
