@@ -102,7 +102,8 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
 
 def _agree(opt: LowLevelZeroOptimizer, failure: Exception | None, summary: str) -> None:
     """Exchange every rank's verdict; when any failed, raise one ``CheckpointError`` on every rank
-    naming each failed rank and its error ([Note: validate, agree, then mutate])."""
+    naming each failed rank and its error ([Note: validate, agree, then mutate]).
+    """
     verdict = None if failure is None else _describe(failure)
     verdicts = comm.all_gather_object(verdict, opt.process_group, opt.device)
     failed = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]

@@ -287,6 +287,7 @@ def _replace_dir(partial: Path, path: Path) -> None:
 def _finish_interrupted_swap(partial: Path, path: Path) -> None:
     """A save cut between its renames left ``path`` missing, the complete new checkpoint in
     ``partial`` and maybe the previous one in ``<path>.old``: finish the swap before this save starts,
-    so that it deletes neither ([Note: atomic save])."""
+    so that it deletes neither ([Note: atomic save]).
+    """
     if not path.exists() and (partial / META_FILE).is_file():
         replace_synced(partial, path)

@@ -417,7 +417,8 @@ def _check_cpus(cpus: int | str, resources: dict[str, float] | None) -> int | st
 
 def _check_plain_name(name: str) -> None:
     """``name`` (``--name``) is one folder name: the run's folder under the storage path is
-    ``<storage>/<name>``, so a ``/`` or ``..`` would put it, and the export, elsewhere."""
+    ``<storage>/<name>``, so a ``/`` or ``..`` would put it, and the export, elsewhere.
+    """
     if not isinstance(name, str) or name.strip(".") == "" or any(c in name for c in "/\\\0"):
         raise ValueError(
             f"name={name!r} (--name) is invalid; expected a plain name, one folder under the storage path: "
