@@ -124,7 +124,7 @@ def load_then_continue(rank, world_size, tmp):
             torch.testing.assert_close(p, final[name], rtol=tol, atol=tol, msg=lambda m, n=name, t=tag: f"{t} {n}: {m}")
 
 
-@pytest.mark.parametrize("saved_ws,loaded_ws", [slow((2, 3)), slow((3, 2)), (2, 1), slow((1, 4))])
+@pytest.mark.parametrize("saved_ws,loaded_ws", [slow((3, 2)), (2, 1), slow((1, 4))])  # fewer, fewer, more
 def test_resume_at_another_world_size_continues_like_the_uninterrupted_run(tmp_path, saved_ws, loaded_ws):
     run_distributed(save_then_continue, saved_ws, tmp=str(tmp_path))
     if saved_ws == 2:  # one checkpoint per rank plus metadata and the unsharded extras, nothing pickled

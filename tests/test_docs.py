@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from hf_lowzero.testing import free_port
 from tests.docs_blocks import FENCE, ROOT, Block, blocks, doc_files, missing_lines
 from tests.docs_setups import SETUPS
+from tests.tiers import ray_run
 
 ALL = blocks()
 PYTHON = [b for b in ALL if b.lang == "python"]
@@ -26,7 +27,10 @@ TRANSCRIPTS = [b for b in ALL if b.directive.startswith("transcript")]
 
 
 def _param(block: Block):
-    return pytest.param(block, id=block.id, marks=[pytest.mark.slow] if block.slow else [])
+    marks = [pytest.mark.slow] if block.slow else []
+    if block.slow and Path(block.file).name.startswith("ray"):  # the Ray guides' examples start Ray
+        marks.append(pytest.mark.ray_cluster)
+    return pytest.param(block, id=block.id, marks=marks)
 
 
 def _run_block(rank: int, world_size: int, port: int, block: Block, work: str) -> None:
@@ -177,12 +181,12 @@ def main_job(tmp_path_factory) -> str:
     return _job("--name", "clean", storage=tmp_path_factory.mktemp("main_job"))
 
 
-@pytest.mark.slow
+@ray_run
 def test_the_main_jobs_console(main_job):
     _assert_matches("main-job", main_job)
 
 
-@pytest.mark.slow
+@ray_run
 def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(main_job, tmp_path):
     """The main job with its defaults: a worker killed at step 15 resumes from the memory snapshot
     that ``auto`` took, and ends with the loss of the run without a failure."""
@@ -193,7 +197,7 @@ def test_a_failure_resumes_from_memory_as_the_recovery_guide_shows(main_job, tmp
     assert final[0] == final[1], final
 
 
-@pytest.mark.slow
+@ray_run
 def test_a_rollback_is_one_line_per_event_as_the_integrity_guide_shows(main_job, tmp_path):
     """The rollback demo (about 90 s here: the slow tier): its event lines are the guide's, no rank
     prints a traceback, and it ends with the loss of the run without the fault."""

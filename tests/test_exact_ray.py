@@ -29,6 +29,7 @@ from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer  # noqa:
 from tests import ray_clusters  # noqa: E402
 from tests.ray_clusters import with_slots  # noqa: E402
 from tests.ray_holds import HOLD_TIMEOUT_S, HoldAt, final_tensors, loss_curve, wait_for, zero_metadata  # noqa: E402
+from tests.tiers import ray_run  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
 
@@ -102,7 +103,7 @@ def assert_same_bits(result, fixed) -> None:
     assert grid is not None and zero_metadata(result)["exact_grid"] == grid
 
 
-@pytest.mark.slow
+@ray_run
 def test_an_elastic_run_ends_with_the_fixed_runs_bits(cluster, fixed, dropout_model, tmp_path):
     with_slots(cluster, 2)
     signals = tmp_path / "signals"
@@ -116,7 +117,7 @@ def test_an_elastic_run_ends_with_the_fixed_runs_bits(cluster, fixed, dropout_mo
     assert_same_bits(result, fixed)
 
 
-@pytest.mark.slow
+@ray_run
 def test_an_elastic_run_resumed_from_memory_snapshots_ends_with_the_fixed_runs_bits(
     cluster, fixed, dropout_model, tmp_path
 ):
@@ -135,7 +136,7 @@ def test_an_elastic_run_resumed_from_memory_snapshots_ends_with_the_fixed_runs_b
     assert_same_bits(result, fixed)
 
 
-@pytest.mark.slow
+@ray_run
 def test_a_run_resumed_from_its_nodes_memory_after_a_killed_worker_ends_with_the_fixed_runs_bits(
     cluster, fixed, dropout_model, tmp_path
 ):

@@ -68,7 +68,8 @@ def norm_body(rank, world_size):
         assert opt.last_grad_norm == pytest.approx(expected, rel=1e-6, abs=0), where
 
 
-@pytest.mark.parametrize("world_size", [1, 2, slow(3), slow(4)])
+# W=3 is the odd size (padded, uneven rows); W=4 proved nothing more and cost the slow tier a 4-rank run.
+@pytest.mark.parametrize("world_size", [1, 2, slow(3)])
 def test_global_norm_is_the_true_norm_of_the_averaged_gradients(world_size):
     run_distributed(norm_body, world_size)
 

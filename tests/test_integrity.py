@@ -75,8 +75,9 @@ def _one_fault(rank, world_size, kind, target):
     assert (opt.integrity.checks, opt.integrity.failures) == (3, 1)  # steps 1 and 4 passed, 7 failed
 
 
-# W=3 in the fast tier (an odd size: padding, a majority); 2 and 4 in the slow one.
-SIZES = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)]
+# W=3 in the fast tier (an odd size: padding, a majority); 2 (no majority) in the slow one. W=4 runs in
+# test_a_weight_changed_on_one_rank_is_caught_and_named only: a majority of 3 among 4 is nothing new here.
+SIZES = [pytest.param(2, marks=pytest.mark.slow), 3]
 
 
 @pytest.mark.parametrize("world_size", SIZES)

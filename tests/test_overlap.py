@@ -78,7 +78,7 @@ def _bit_equal_body(rank: int, world_size: int, tmp: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(on["ema"], off["ema"])), where
 
 
-@pytest.mark.parametrize("world_size", [2, slow(3), slow(4)])
+@pytest.mark.parametrize("world_size", [2, slow(3)])  # 3: the odd size; no 4, which proved nothing more
 def test_overlapped_gathers_give_the_bits_of_waited_ones(world_size, tmp_path):
     run_distributed(_bit_equal_body, world_size, tmp=str(tmp_path))
 
@@ -232,7 +232,7 @@ def _trainer_body(rank: int, world_size: int, tmp: str, stage: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size,stage", [(2, 2), slow((2, 1)), slow((3, 2)), slow((4, 1))])
+@pytest.mark.parametrize("world_size,stage", [(2, 2), slow((2, 1)), slow((3, 2))])  # each stage; an odd size
 def test_the_trainer_with_overlap_gives_the_bits_of_overlap_off(tmp_path, world_size, stage):
     """Evaluation every 2 steps, a callback reading params after every step, a save at step 3 and a
     resume to step 6: losses, norms, evaluation losses, the callback's EMA and the final params

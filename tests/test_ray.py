@@ -42,7 +42,7 @@ from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
 from tests.ray_checkpoints import missing_files, step_of  # noqa: E402
 from tests.trainer_runs import make_args  # noqa: E402
 
-pytestmark = pytest.mark.slow  # long Ray runs: the second tier (README, .ci/run)
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster]  # long Ray runs: the second tier (tests/tiers.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE = 12, 4

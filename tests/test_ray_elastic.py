@@ -22,6 +22,7 @@ from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of  # noqa: E402
 from tests.ray_holds import HOLD_TIMEOUT_S, HoldAt, loss_curve, wait_for  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
+from tests.tiers import ray_run  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
 SHRINK_AT, GROW_AT = SAVE, 2 * SAVE  # checkpoint steps after which capacity changes
@@ -34,7 +35,7 @@ def slot_cluster():
         yield cluster, nodes
 
 
-@pytest.mark.slow
+@ray_run
 def test_elastic_run_shrinks_and_grows_back_with_a_continuous_loss_curve(slot_cluster, no_dropout_model, tmp_path):
     cluster, nodes = slot_cluster
     model_dir, corpus = no_dropout_model

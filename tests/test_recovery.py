@@ -48,7 +48,7 @@ from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
 from tests.ray_clusters import with_slots  # noqa: E402
 
-pytestmark = pytest.mark.slow  # long Ray runs: the second tier (README, .ci/run)
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster]  # long Ray runs: the second tier (tests/tiers.py)
 STEPS, SAVE, KILL_AT = 10, 4, 6
 HOLD_TIMEOUT_S = 240
 
@@ -261,16 +261,6 @@ def test_a_node_lost_with_its_buddy_falls_back_to_storage(cluster, no_dropout_mo
     assert_no_holders_left()
 
 
-def test_holders_are_released_when_a_run_fails_for_good(cluster, no_dropout_model, tmp_path):
-    with_slots(cluster, 2)
-    doomed = config("doomed", tmp_path, no_dropout_model, max_steps=4, inject_failure_at_step=3, max_failures=0)
-    with pytest.raises(ray.train.TrainingFailedError):
-        build_trainer(doomed).fit()
-    # Released by the run's ReleaseSnapshots callback, while the error (and through its traceback
-    # the run's controller) is still alive here.
-    assert_no_holders_left()
-
-
 def test_a_holder_exits_once_its_runs_controller_is_gone(cluster):
     """The last line of [Note: holder lifetime]: a driver killed with its run leaves no holder."""
     with_slots(cluster, 1)
@@ -330,4 +320,6 @@ def test_a_fault_that_repeats_on_one_node_stops_the_run_and_names_it(cluster, no
     message = str(failed.value)
     named = re.search(r"failed a check before: rank\(s\) \[\d\] on node\(s\) \['(\w+)'\]", message)
     assert named is not None and named.group(1) == bad and "Leave those nodes out" in message, message
+    # A run that failed for good: its holders were released by the run's ReleaseSnapshots callback,
+    # while the error (and through its traceback the run's controller) is still alive here.
     assert_no_holders_left()
