@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hf_lowzero import CheckpointError, load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint import save
+from hf_lowzero.checkpoint.shards import replace_synced
 from hf_lowzero.testing import run_distributed
 from tests.test_checkpoint import assert_unchanged, snapshot, train, tree
 from tests.test_load_errors import SHORT, build
@@ -55,7 +56,32 @@ def one_rank_save_error_body(rank, world_size, tmp):
     load_checkpoint(opt, ck)  # the earlier checkpoint loads, to the values it was saved with
     assert_unchanged(saved, model, opt)
     assert tree(ck) == files
-    save_checkpoint(opt, ck)  # and the next save, on every rank, succeeds and clears the unfinished one
+
+    # Rank 0's second rename (the new copy into place) is denied, after the first moved ck aside.
+    renames = []
+
+    def second_denied(source, target):
+        renames.append(target)
+        if len(renames) == 2:
+            raise OSError(errno.EACCES, "Permission denied")
+        replace_synced(source, target)
+
+    denied = mock.patch.object(save, "replace_synced", second_denied)
+    with denied if rank == 0 else contextlib.nullcontext(), pytest.raises(CheckpointError) as raised:
+        save_checkpoint(opt, ck)
+    old = Path(f"{tmp}/ck.old")
+    assert str(raised.value) == (
+        f"cannot save checkpoint {ck}: moving it into place failed; the new checkpoint is at {ck} or {ck}.partial, "
+        f"the previous one at {ck} or {old} (load_checkpoint({str(ck)!r}) names what is left and how to restore it): "
+        "rank 0: PermissionError: [Errno 13] Permission denied"
+    )
+    assert tree(old) == files  # the previous checkpoint, moved aside whole
+    with pytest.raises(CheckpointError, match=f"Restore it with: mv {ck}.partial {ck}"):
+        load_checkpoint(opt, ck)
+    load_checkpoint(opt, old)
+    assert_unchanged(saved, model, opt)
+
+    save_checkpoint(opt, ck)  # and the next save, on every rank, succeeds and clears what was left
     assert sorted(p.name for p in Path(tmp).iterdir()) == ["a_file", "ck"]
 
 

@@ -87,8 +87,9 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     extras = unsharded_state(opt.model, view.params, view.names)
     kept = f"cannot save checkpoint {path}; the previous checkpoint there, if any, is unchanged"
     moved = (
-        f"cannot save checkpoint {path}: a rename into place failed; the previous checkpoint is at {path} or, "
-        f"moved aside, at {old_dir(path)} (load_checkpoint({str(path)!r}) names what is left and how to restore it)"
+        f"cannot save checkpoint {path}: moving it into place failed; the new checkpoint is at {path} or {partial}, "
+        f"the previous one at {path} or {old_dir(path)} (load_checkpoint({str(path)!r}) names what is left and how "
+        "to restore it)"
     )
 
     def agreed(summary: str, step, *args) -> list:
