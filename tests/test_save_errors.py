@@ -42,7 +42,7 @@ def one_rank_save_error_body(rank, world_size, tmp):
         save_checkpoint(opt, ck)
     assert tree(ck) == files  # not a byte of the previous checkpoint changed
     left = sorted(p.name for p in Path(tmp).iterdir())
-    assert left == ["ck", "ck.partial"], left  # the unfinished save, refused
+    assert left == ["ck", "ck.partial"], left  # the unfinished save, as a crash leaves it: loading refuses it
 
     # A path rank 0 cannot create (its parent is a file): rank 1 raises too instead of waiting.
     dist.barrier(group)  # every rank has looked at the folder
