@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +149,11 @@ def snapshot(model, opt):
     return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
 
 
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def assert_unchanged(before, model, opt):
     params, state = before
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
@@ -213,12 +219,14 @@ def bad_checkpoint_body(rank, world_size, tmp):
         for how in [*BAD, "version_1"]:
             corrupt(good, f"{tmp}/{how}", how)
     dist.barrier()
+    files = tree(Path(tmp))
     train(model, opt, rank, world_size, range(2, 3), torch.float32)  # so a wrong load would show
     for how, message in BAD.items():
         before = snapshot(model, opt)
         with pytest.raises(CheckpointError, match=message):  # on every rank, also those that read no rank-1 file
             load_checkpoint(opt, f"{tmp}/{how}")
         assert_unchanged(before, model, opt)
+    assert tree(Path(tmp)) == files  # no file changed, none removed: the damaged copies are the user's to inspect
     for other, message in [(WiderHead(), "shapes differ"), (nn.Linear(17, 3), "different model")]:
         other_opt = LowLevelZeroOptimizer(other, make_inner("adamw", other), stage=2)
         before = snapshot(other, other_opt)

@@ -117,3 +117,4 @@ def test_a_cut_trainer_save_is_skipped_for_the_last_complete_checkpoint(tmp_path
     cut = out / "checkpoint-4"
     assert (cut / "zero_optimizer.partial").is_dir() and not (cut / "trainer_state.json").exists()
     run_distributed(resume_body, 2, out=str(out), reference=str(tmp_path / "whole" / "final.pt"))
+    assert (cut / "zero_optimizer.partial").is_dir()  # skipped and refused, never deleted

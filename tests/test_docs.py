@@ -4,6 +4,7 @@ longer runs fails here. How each block is checked is its directive (``tests/docs
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -71,6 +72,48 @@ def test_every_block_says_how_it_is_checked():
             wrong.append(f"{b.id}: {m.group(1)} has no test {m.group(2)}")
         if m and not m.group(2) and not all(c in (ROOT / m.group(1)).read_text() for c in _commands(b)):
             wrong.append(f"{b.id}: {m.group(1)} does not run {_commands(b)}")
+    assert not wrong, "\n".join(wrong)
+
+
+BAD_INPUTS_HEADER = "| input | what you see | test |"
+
+
+def bad_input_rows() -> list[tuple[str, str]]:
+    """Every row of the guides' bad-input tables (``docs/checkpoints.md``, ``docs/bad-inputs.md``):
+    ``(where, the test cell)``."""
+    rows = []
+    for path in doc_files():
+        lines = path.read_text().splitlines()
+        for start in [i for i, line in enumerate(lines) if line.strip() == BAD_INPUTS_HEADER]:
+            for n, line in enumerate(lines[start + 2 :], start + 3):
+                if not line.startswith("|"):
+                    break
+                rows.append(
+                    (f"{path.relative_to(ROOT)}:{n}", line.rstrip().removesuffix("|").rsplit("|", 1)[1].strip())
+                )
+    return rows
+
+
+def test_every_bad_input_names_a_test_that_exists():
+    """Each row of the bad-input tables names the test that runs it as a pytest node id: the file
+    must exist and define that test function, so the tables cannot go stale."""
+    rows = bad_input_rows()
+    assert {where.split(":")[0] for where, _ in rows} == {"docs/checkpoints.md", "docs/bad-inputs.md"}
+    assert len(rows) >= 40, len(rows)  # every input of issue 55, and the earlier checkpoint ones
+    wrong = []
+    for where, cell in rows:
+        m = re.fullmatch(r"`(tests/test_\w+\.py)::(test_\w+)(\[[^\]]+\])?`", cell)
+        if m is None:
+            wrong.append(f"{where}: {cell!r} is not a node id `tests/test_x.py::test_y`")
+            continue
+        file, name = ROOT / m.group(1), m.group(2)
+        defined = (
+            {n.name for n in ast.parse(file.read_text()).body if isinstance(n, ast.FunctionDef)}
+            if file.is_file()
+            else set()
+        )
+        if name not in defined:
+            wrong.append(f"{where}: {m.group(1)} has no test {name}")
     assert not wrong, "\n".join(wrong)
 
 

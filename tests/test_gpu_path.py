@@ -11,7 +11,7 @@
 - The plan's step with gradient checkpointing, reentrant and not: each layer recomputed with the
   GPU's attention kernel.
 - The simulation can fail: each fix undone (the write gate, the params' device for the offload
-  copy's event and for barriers, export gathering on the device, exact pinned buffers, pinned
+  copy's event and for object collectives, export gathering on the device, exact pinned buffers, pinned
   buffers registered under the params' device) is caught.
 - What needs no simulation is in ``tests/test_gpu_machine.py`` (exact pinned buffers:
   ``tests/test_pinned_memory.py``).
@@ -25,7 +25,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hf_lowzero.simulation import (
     GpuCase,
@@ -102,9 +101,9 @@ def _undo_each_fix() -> dict[str, str]:
             GpuCase(2, dtype="fp32", offload=True),
             mock.patch.object(export, "ShardView", ViewWhereRowsLive),
         ),
-        "barrier on the current device": (
+        "object collective on the current device": (
             GpuCase(2, dtype="fp32"),
-            mock.patch.object(comm, "barrier", lambda group, device=None: dist.barrier(group=group)),
+            mock.patch.object(comm, "dev", _CurrentDeviceKept(dev)),
         ),
     }
     outcome = {}
@@ -165,6 +164,20 @@ class _PageableHost:
         return getattr(self._module, name)
 
 
+class _CurrentDeviceKept:
+    """``zero.device`` as the collectives used it before the fix: NCCL's object collectives left on
+    the current device (GPU 0)."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def on_device(self, device):
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
 class _CurrentDeviceOnly:
     """``zero.device`` as the grad store used it before the fix: the current device's stream (GPU 0)."""
 
@@ -199,7 +212,7 @@ def _check_runs(results) -> None:
         assert result.runs[0].exported_states > 0, case.label
         ops = [c.op for c in result.runs[0].sequence]
         reduction = "all_to_all" if case.partition == "params" else "reduce_scatter"
-        assert reduction in ops and "all_reduce" in ops and "barrier" in ops, (case.label, set(ops))
+        assert reduction in ops and "all_reduce" in ops and "all_gather_object" in ops, (case.label, set(ops))
         if case.reduction == "exact":
             _check_exact(result)
             continue
@@ -341,7 +354,9 @@ def test_each_fix_undone_is_caught(fake_gpu_w2):
     )
     assert undone["export gathers host rows"].startswith("NcclRuleError: rank 0: a cpu tensor")
     assert "reached NCCL's all_gather" in undone["export gathers host rows"]
-    assert undone["barrier on the current device"].startswith("NcclRuleError: rank 1: barrier on cuda:0")
+    assert undone["object collective on the current device"].startswith(
+        "NcclRuleError: rank 1: all_gather_object through cuda:1 with cuda:0 current"
+    )
     assert "aten.zeros" in undone["pinned through the caching allocator"]
     assert undone["pinned on the current device"].startswith(
         "WrongDeviceError: cudaHostRegister with cuda:0 current, but this rank's GPU is cuda:1"

@@ -22,7 +22,7 @@ from hf_lowzero import CheckpointError, LowLevelZeroOptimizer, load_checkpoint, 
 from hf_lowzero.checkpoint.reader import ShardReader
 from hf_lowzero.testing import run_distributed
 from tests.models import BranchyNet, make_inner
-from tests.test_checkpoint import assert_unchanged, flip_data_byte, snapshot, train
+from tests.test_checkpoint import assert_unchanged, flip_data_byte, snapshot, train, tree
 
 SHORT = datetime.timedelta(seconds=20)  # far above a load's time, far below the 120 s default
 RANK1 = "zero_shard_rank00001_of_00002.safetensors"
@@ -44,6 +44,12 @@ def _packed(cls_name):
         _first_param(meta)["packed_state"] = {"exp_avg": {"class": cls_name, "attributes": [], "inner": {}}}
 
     return edit
+
+
+def _py_beside(folder: Path) -> None:
+    """A module shipped in the checkpoint's folder, and metadata that names a class of it."""
+    (folder / "planted_beside.py").write_text(f"open({str(folder / 'ran')!r}, 'w').close()\nclass Thing: ...\n")
+    _edit_meta(folder, _packed("planted_beside:Thing"))
 
 
 def _version_1_flipped(folder: Path) -> None:
@@ -71,6 +77,7 @@ DAMAGED = {
         r"packed state class 'this:Nope' is not one this hf_lowzero loads \(allowed: torchao.optim",
     ),
     "os_system": (lambda f: _edit_meta(f, _packed("os:system")), "packed state class 'os:system' is not one"),
+    "py_beside": (_py_beside, "packed state class 'planted_beside:Thing' is not one"),
     "version_1_flipped": (_version_1_flipped, f"{RANK1}: tensor 'state/embed.weight/exp_avg' is corrupted"),
 }
 
@@ -94,6 +101,8 @@ def damaged_metadata_body(rank, world_size, tmp):
             shutil.copytree(good, f"{tmp}/{name}")
             damage(Path(f"{tmp}/{name}"))
     dist.barrier(group)
+    files = tree(Path(tmp))
+    sys.path.insert(0, f"{tmp}/py_beside")  # the folder on sys.path, as the working directory would be
     train(model, opt, rank, world_size, range(2, 3), torch.float32)  # so a wrong load would show
     for name, (_, message) in DAMAGED.items():
         before, groups = snapshot(model, opt), groups_of(opt)
@@ -104,7 +113,8 @@ def damaged_metadata_body(rank, world_size, tmp):
         assert printed.getvalue() == "", name  # `this` prints the Zen of Python when imported
         assert_unchanged(before, model, opt)
         assert groups_of(opt) == groups, name
-    assert "this" not in sys.modules  # the named module was never imported
+    assert "this" not in sys.modules and "planted_beside" not in sys.modules  # never imported
+    assert tree(Path(tmp)) == files  # every file as it was: the planted module never ran ('ran' absent)
 
     # An AdamW checkpoint into SGD: refused, SGD's groups keep their own hyperparameters.
     sgd_model, sgd = build(group, inner="sgd")

@@ -13,3 +13,5 @@ def test_a_config_json_that_is_not_json_gets_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"the config file at '{tmp_path / 'config.json'}' is not a valid JSON file" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # nothing written beside it
+    assert (tmp_path / "config.json").read_text() == "{not json"  # nor into it

@@ -177,16 +177,17 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize(("argv", "message"), BAD_FLAGS, ids=[argv[-2] for argv, _ in BAD_FLAGS])
-def test_the_driver_refuses_what_the_workers_would_in_one_line(argv, message, capsys):
+def test_the_driver_refuses_what_the_workers_would_in_one_line(argv, message, tmp_path, capsys):
     """``parse_args`` builds the job's TrainingArguments (and ZeroConfig) as a worker would."""
     sys.path.insert(0, str(ROOT / "ray_jobs"))
     from finetune import parse_args
 
     with pytest.raises(SystemExit) as exited:
-        parse_args(argv)
+        parse_args(["--storage-path", str(tmp_path / "runs"), *argv])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and ": error: " in err and message in err, err
+    assert list(tmp_path.iterdir()) == []  # no storage or run folder made
 
 
 @pytest.mark.parametrize("argv", [BAD_FLAGS[0][0], BAD_FLAGS[1][0]], ids=["zero_config", "optim"])

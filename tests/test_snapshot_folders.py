@@ -14,6 +14,7 @@ import torch
 
 from hf_lowzero.snapshot import segments
 from hf_lowzero.snapshot.format import write_piece
+from tests.test_checkpoint import tree
 
 TWO_HOURS_AGO = time.time() - 2 * 3600
 
@@ -21,11 +22,6 @@ TWO_HOURS_AGO = time.time() - 2 * 3600
 def age(*paths: Path) -> None:
     for p in paths:
         os.utime(p, (TWO_HOURS_AGO, TWO_HOURS_AGO))
-
-
-def tree(folder: Path) -> dict[str, bytes]:
-    """Every file under ``folder``, with its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ overlap its new rows, builds this rank's shard as a state dict (``shard_state.py
 
 # [Note: validate, agree, then mutate]
 # Loading reads and checks everything this rank needs into fresh tensors first; the ranks then
-# exchange their verdicts so that all raise together (a rank that raised alone would leave its
-# peers waiting in the next collective). A verdict is any exception, of any type: a damaged file
-# gives a CheckpointError, anything else (a bug, a full disk) its type and message, and every rank
-# raises one CheckpointError naming the ranks and their errors. Only when every rank succeeded is
+# exchange their verdicts so that all raise together ([Note: ranks agree on failure] in agree.py).
+# A verdict is any exception, of any type: a damaged file gives a CheckpointError, anything else (a
+# bug, a full disk) its type and message, and every rank raises one CheckpointError naming the ranks
+# and their errors. Only when every rank succeeded is
 # any state changed; the local part of that (load_state_dict) is agreed on again before the
 # collective one (writing the params), so a rank that fails there cannot leave its peers waiting.
 """
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hf_lowzero.checkpoint.agree import agree
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE, extra_key, master_key, rank_file_name, state_key
 from hf_lowzero.checkpoint.meta_check import dtype_named
 from hf_lowzero.checkpoint.reader import ShardReader, read_metadata, read_row
@@ -38,7 +39,6 @@ from hf_lowzero.checkpoint.shards import (
     unsharded_state,
 )
 from hf_lowzero.zero.inner.shard_state import SECTION
-from hf_lowzero.zero.runtime import comm
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
@@ -79,7 +79,7 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
         failure = None
     except Exception as e:  # any type, so that every rank raises together
         failure = e
-    _agree(opt, failure, "cannot load checkpoint; nothing was changed")
+    agree(failure, "cannot load checkpoint; nothing was changed", opt.process_group, opt.device, _describe)
 
     try:
         opt.load_state_dict(state_dict)
@@ -90,30 +90,13 @@ def load_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike) -> dict
         failure = None
     except Exception as e:
         failure = e
-    _agree(
-        opt,
-        failure,
+    inconsistent = (
         "checkpoint loaded on some ranks only; the optimizer's state is inconsistent: build it again and "
-        "load a checkpoint before training",
+        "load a checkpoint before training"
     )
+    agree(failure, inconsistent, opt.process_group, opt.device, _describe)
     opt.copy_master_to_params()
     return {"saved_world_size": meta["world_size"], "saved_stage": meta["stage"], "files_read": reader.files_read}
-
-
-def _agree(opt: LowLevelZeroOptimizer, failure: Exception | None, summary: str) -> None:
-    """Exchange every rank's verdict; when any failed, raise one ``CheckpointError`` on every rank
-    naming each failed rank and its error ([Note: validate, agree, then mutate]).
-    """
-    verdict = None if failure is None else _describe(failure)
-    verdicts = comm.all_gather_object(verdict, opt.process_group, opt.device)
-    failed = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]
-    if not failed:
-        return
-    by_error: dict[str, list[int]] = {}
-    for rank, v in failed:
-        by_error.setdefault(v, []).append(rank)
-    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_error.items()]
-    raise CheckpointError(f"{summary}: " + " | ".join(parts)) from failure
 
 
 def _describe(error: Exception) -> str:

@@ -11,7 +11,8 @@ Example::
 # loaded, so a crash at any point leaves the previous checkpoint (as ``<path>`` or, cut between the
 # renames, as ``<path>.old`` beside the complete ``<path>.partial``: loading names both) or a
 # ``.partial`` directory that loading refuses. The next save first finishes an interrupted swap, so
-# it deletes neither copy.
+# it deletes neither copy. An error on any rank (a full disk, a denied write) fails every rank at the
+# step's end, with the same message ([Note: ranks agree on failure] in agree.py): none waits for it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from hf_lowzero.checkpoint.agree import agree
 from hf_lowzero.checkpoint.layout import (
     EXTRAS_FILE,
     META_FILE,
@@ -45,7 +47,6 @@ from hf_lowzero.checkpoint.shards import (
     scalar_to_json,
     unsharded_state,
 )
-from hf_lowzero.zero.runtime import comm
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
@@ -73,23 +74,52 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
         ``path``, as a ``Path``.
 
     Raises:
-        ValueError: An optimizer state entry cannot be saved: a state tensor of a row-shard param that
-            is neither element-wise nor a single value, or a packed state with an attribute JSON cannot
-            hold.
+        CheckpointError: On every rank alike, when any rank failed; the message names each failed rank
+            and its error: a write that failed (disk full, permission denied, a bad path), or an
+            optimizer state entry that cannot be saved (a state tensor of a row-shard param that is
+            neither element-wise nor a single value, a packed state with an attribute JSON cannot
+            hold). The previous checkpoint at ``path`` is left in place (or, if the failure came
+            between the last renames, at ``<path>.old``: the message says so).
     """
     path = Path(path)
     partial = Path(partial_dir(path))
     view = ShardView.of(opt)
-    group = view.process_group
+    extras = unsharded_state(opt.model, view.params, view.names)
+    kept = f"cannot save checkpoint {path}; the previous checkpoint there, if any, is unchanged"
+    moved = (
+        f"cannot save checkpoint {path}: moving it into place failed; the new checkpoint is at {path} or {partial}, "
+        f"the previous one at {path} or {old_dir(path)} (load_checkpoint({str(path)!r}) names what is left and how "
+        "to restore it)"
+    )
+
+    def agreed(summary: str, step, *args) -> list:
+        """``step(*args)`` on this rank, then every rank's verdict ([Note: ranks agree on failure])."""
+        try:
+            result, failure = step(*args), None
+        except Exception as e:  # any type, so that every rank raises together
+            result, failure = None, e
+        return agree(failure, summary, view.process_group, view.device, _describe, result)
+
+    agreed(kept, _start, view, partial, path)
+    written = agreed(kept, _write_rank_files, view, extras, partial, model_extras)
+    agreed(kept, _write_metadata, view, extras, partial, written, model_extras)
+    agreed(moved, _move_into_place, view.rank == 0, partial, path)
+    agreed(moved, _move_into_place, True, partial, path)  # not a shared filesystem: each rank's own copy
+    return path
+
+
+def _start(view: ShardView, partial: Path, path: Path) -> None:
+    """Rank 0 makes the empty ``partial`` directory (after finishing an interrupted swap)."""
     if view.rank == 0:
         _finish_interrupted_swap(partial, path)
         if partial.exists():
             shutil.rmtree(partial)  # left unfinished by an earlier crashed save
         partial.mkdir(parents=True)
-    comm.barrier(group, view.device)
-    partial.mkdir(parents=True, exist_ok=True)  # ranks on other nodes without a shared filesystem
 
-    extras = unsharded_state(opt.model, view.params, view.names)
+
+def _write_rank_files(view: ShardView, extras: dict, partial: Path, model_extras: bool) -> tuple[int, dict]:
+    """This rank's file (and rank 0's extras file): its size and the records of the whole params it owns."""
+    partial.mkdir(parents=True, exist_ok=True)  # ranks on other nodes without a shared filesystem
     if view.rank == 0 and model_extras:
         tensors = {extra_key(name): t.detach().cpu().clone() for name, t in extras.items()}
         _write_tensors(partial / EXTRAS_FILE, tensors)
@@ -99,23 +129,25 @@ def save_checkpoint(opt: LowLevelZeroOptimizer, path: str | os.PathLike, model_e
     _write_tensors(own_file, tensors)
     if os.environ.get(CRASH_POINT_ENV) == "after_rank_files":
         os._exit(17)
+    return own_file.stat().st_size, records
 
-    # A whole param's state is described by its owner, the only rank holding it.
-    gathered = comm.all_gather_object((own_file.stat().st_size, records), group, view.device)
-    if view.rank == 0:
-        sizes = [size for size, _ in gathered]
-        described = {name: record for _, ranks_records in gathered for name, record in ranks_records.items()}
-        extras_size = (partial / EXTRAS_FILE).stat().st_size if model_extras else None
-        meta = checkpoint_metadata(view, described, extras, sizes, extras_size)
-        atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
-    comm.barrier(group, view.device)
-    if view.rank == 0:
+
+def _write_metadata(view: ShardView, extras: dict, partial: Path, written: list, model_extras: bool) -> None:
+    """Rank 0 writes ``zero_meta.json`` last: a whole param's state is described by its owner, the only
+    rank holding it (``written``: every rank's file size and records).
+    """
+    if view.rank != 0:
+        return
+    sizes = [size for size, _ in written]
+    described = {name: record for _, ranks_records in written for name, record in ranks_records.items()}
+    extras_size = (partial / EXTRAS_FILE).stat().st_size if model_extras else None
+    meta = checkpoint_metadata(view, described, extras, sizes, extras_size)
+    atomic_write(partial / META_FILE, lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
+
+
+def _move_into_place(mine: bool, partial: Path, path: Path) -> None:
+    if mine and partial.exists():
         _replace_dir(partial, path)
-    comm.barrier(group, view.device)
-    if partial.exists():  # not a shared filesystem: this rank's own copy holds its shard
-        _replace_dir(partial, path)
-    comm.barrier(group, view.device)
-    return path
 
 
 def shard_tensors(view: ShardView, describe: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -265,6 +297,10 @@ def _write_tensors(target: Path, tensors: dict) -> None:
     """One safetensors file, each tensor's checksums in its metadata ([Note: checksums])."""
     metadata = file_checksums(tensors)
     atomic_write(target, lambda f: save_file(tensors, f, metadata=metadata))
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _dtype_name(t) -> str:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file and the problem.
+    """A checkpoint that cannot be loaded, or saved: the message names the file (or the failed ranks)
+    and the problem.
 
     A ``ValueError``, so code that catches those catches it too.
     """

@@ -314,16 +314,8 @@ def gather_from_owners(
     return _settle(_Exchange(works), async_op)
 
 
-# [Note: the params' device] (device.py): NCCL runs barriers and object collectives on the current
-# CUDA device unless told otherwise, so these take the params' device and name it.
-
-
-def barrier(group: ProcessGroup | None, device: torch.device | None = None) -> None:
-    """Wait for every rank of ``group``; with NCCL on ``device`` (the params' device)."""
-    if backend(group) == "nccl" and dev.is_cuda(device):
-        dist.barrier(group=group, device_ids=[torch.device(device).index or 0])
-    else:
-        dist.barrier(group=group)
+# [Note: the params' device] (device.py): NCCL runs object collectives on the current CUDA device,
+# so these take the params' device and make it current.
 
 
 def all_gather_object(obj, group: ProcessGroup | None, device: torch.device | None = None) -> list:
