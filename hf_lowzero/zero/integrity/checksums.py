@@ -225,9 +225,10 @@ def bound_factors(bucket: Bucket, *, world_size: int, unit_roundoff: float, sigm
 
 class ReplicaHashes:
     """The replica hashes of ``tensors`` (``(name, tensor)`` pairs; ``tensor_hash`` of each),
-    planned once: device by device, tensors of up to HASH_BATCH words stacked with the others of
-    their length and hashed at once (thousands of biases, norms or adapters cost a few operations),
-    the others one by one. ``names``: the order of ``compute()``'s rows.
+    planned once: device by device, contiguous tensors of up to HASH_BATCH words stacked with the
+    others of their dtype and shape and hashed at once (thousands of biases, norms or adapters cost
+    a few operations, and no Python work per tensor), the others one by one. ``names``: the order of
+    ``compute()``'s rows.
 
     Example::
 
@@ -236,19 +237,20 @@ class ReplicaHashes:
     """
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        plan: dict[torch.device, tuple[dict[int, list], list]] = {}
+        plan: dict[torch.device, tuple[dict[tuple, list], list]] = {}
         for name, t in tensors:
             nbytes, offset = t.numel() * t.element_size(), t.storage_offset() * t.element_size()
             stacked, single = plan.setdefault(t.device, ({}, []))
             if t.is_contiguous() and 0 < nbytes <= 8 * HASH_BATCH and nbytes % 8 == 0 and offset % 8 == 0:
-                stacked.setdefault(nbytes // 8, []).append((name, t))
+                stacked.setdefault((t.dtype, tuple(t.shape)), []).append((name, t))
             else:
                 single.append((name, t))
         self.names: list[str] = []
-        self._devices = []  # per device: its weights, stacks (lists of tensors of one length), singles
+        self._devices = []  # per device: its weights, stacks (lists of tensors of one dtype and shape), singles
         for device, (stacked, single) in plan.items():
             stacks = []
-            for words, members in stacked.items():
+            for members in stacked.values():
+                words = members[0][1].numel() * members[0][1].element_size() // 8
                 per = max(1, SCRATCH // words)  # what one stack copies
                 stacks += [members[k : k + per] for k in range(0, len(members), per)]
             for pairs in [*stacks, single]:
@@ -257,11 +259,15 @@ class ReplicaHashes:
                 (hash_weights(device), [[t for _, t in pairs] for pairs in stacks], [t for _, t in single])
             )
 
+    @torch.no_grad()
     def compute(self) -> list[torch.Tensor]:
-        """Every tensor's ``tensor_hash``, as ``[tensors, 2]`` int64 per device (no host sync)."""
+        """Every tensor's ``tensor_hash``, as ``[tensors, 2]`` int64 per device (no host sync). A
+        stack's row holds its tensor's bytes in memory order (each is contiguous): its words."""
         out = []
         for weights, stacks, single in self._devices:
-            rows = [_finish(_fold(torch.stack([_words(t) for t in stack])), weights) for stack in stacks]
+            rows = [
+                _finish(_fold(torch.stack(stack).view(len(stack), -1).view(torch.int64)), weights) for stack in stacks
+            ]
             rows += [torch.stack([tensor_hash(t, weights) for t in single])] if single else []
             out.append(torch.cat(rows))
         return out
@@ -284,16 +290,18 @@ def tensor_hash(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.storage_offset() % 4 == 0 else raw
     window = 64 * HASH_WIDTH
     folds = [_fold(words[a : a + window].to(torch.int64).view(1, -1)) for a in range(0, max(1, words.numel()), window)]
-    return _finish(sum(folds[1:], folds[0]), weights)[0]
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8).view(torch.int64)
+    total = folds[0]  # full width where more windows follow; the last may be narrower
+    for fold in folds[1:]:
+        total[:, : fold.shape[1]] += fold
+    return _finish(total, weights)[0]
 
 
 def _fold(words: torch.Tensor) -> torch.Tensor:
-    """``[k, n]`` int64 words -> ``[k, HASH_WIDTH]``: each row summed by position mod HASH_WIDTH."""
+    """``[k, n]`` int64 words -> ``[k, min(n, HASH_WIDTH)]``: each row summed by position mod
+    HASH_WIDTH (rows no longer than that are their own fold: the positions past n would be zeros)."""
     k, n = words.shape
+    if n <= HASH_WIDTH:
+        return words
     full = n // HASH_WIDTH * HASH_WIDTH
     fold = words[:, :full].view(k, -1, HASH_WIDTH).sum(1)
     fold[:, : n - full] += words[:, full:]
@@ -301,5 +309,5 @@ def _fold(words: torch.Tensor) -> torch.Tensor:
 
 
 def _finish(fold: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[k, 2]``: the two hashes of each row's fold."""
-    return torch.stack([fold.sum(1), (fold * weights).sum(1)], dim=1)
+    """``[k, 2]``: the two hashes of each row's fold (its positions weighted by the first weights)."""
+    return torch.stack([fold.sum(1), (fold * weights[: fold.shape[1]]).sum(1)], dim=1)
