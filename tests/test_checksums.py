@@ -149,11 +149,21 @@ def test_an_exact_reduction_checksums_to_the_sum_of_what_the_ranks_sent(whole):
         assert sent[rank].abs().sum() > 0 or rows.abs().sum() == 0
 
 
-def test_segment_sums_equal_the_dot_with_each_elements_sign():
-    """The fold and the gathered products are the dot of each segment with S[(shift + q) mod PERIOD]."""
+# One segment each; then segments of one length at even and uneven spacing (runs of evenly spaced
+# columns, layers repeating), between others, the last one at the end of the buffer.
+SEGMENT_SHAPES = [
+    [(5,), (2 * (2 * PERIOD + 77),), (300,)],
+    [(6,), (300,), (6,), (300,), (6,), (300,), (6,), (6,), (8,), (300,), (6,), (3, 4), (6,), (300,), (6,)],
+]
+
+
+@pytest.mark.parametrize("shapes", SEGMENT_SHAPES)
+def test_segment_sums_equal_the_dot_with_each_elements_sign(shapes):
+    """The fold and the gathered products are the dot of each segment with S[(shift + q) mod PERIOD],
+    also in a buffer that starts inside its storage."""
     world_size = 2
-    bucket = _bucket([(5,), (2 * (2 * PERIOD + 77),), (300,)], world_size)
-    flat = torch.randn(bucket.packed_numel)
+    bucket = _bucket(shapes, world_size)
+    flat = torch.randn(bucket.packed_numel + 3)[3:]
     signs, scratch = sign_table(8, CPU), torch.empty(SCRATCH, dtype=torch.float64)
     shift = PERIOD - 100  # the signs wrap around the table
     dots, norms = bucket_plans(bucket, shard=_shard(0, world_size))[0].sums(flat, signs, 8, shift, scratch)

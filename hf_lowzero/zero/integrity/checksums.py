@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +72,13 @@ def _signed(x: torch.Tensor, signs: torch.Tensor, probes: int, shift: int) -> to
 
 @dataclass(frozen=True, eq=False)
 class _Run:
-    """Segments of one length, gathered and multiplied at once: rows ``rows`` of the members
-    (positions in the plan's split) ``members``; results go to output slots ``out`` (row-major)."""
+    """Segments of one length, gathered and multiplied at once: rows ``rows`` of the members, read
+    as ``strided`` runs of evenly spaced segments (``(first column, count, spacing)``, in member
+    order: layers repeat, so a model's members of one length take a few); results go to output slots
+    ``out`` (row-major)."""
 
     rows: tuple[int, int]
-    members: Callable  # the split's pieces -> this run's
+    strided: tuple[tuple[int, int, int], ...]
     length: int
     out: torch.Tensor  # [rows * members] int64, on the device
 
@@ -104,7 +104,6 @@ class SegmentPlan:
     rows: int
     cols: int
     slots: int  # outputs: segments times rows (empty segments stay zero)
-    bounds: tuple[int, ...]  # column splits: piece i of the split is segment i
     runs: tuple[_Run, ...]
     folds: tuple[_Fold, ...]
 
@@ -134,8 +133,7 @@ class SegmentPlan:
                 rr = (r, min(rows, r + per_rows))
                 for k in range(0, len(members), per_members):
                     chosen = members[k : k + per_members]
-                    picker = operator.itemgetter(*chosen) if len(chosen) > 1 else _single(chosen[0])
-                    runs.append(_Run(rr, picker, n, out(rr, chosen)))
+                    runs.append(_Run(rr, _evenly_spaced([starts[i] for i in chosen], n), n, out(rr, chosen)))
         # a fold holds [rows, PERIOD] and reads [rows, periods * PERIOD] at a time, within SCRATCH
         fold_rows = max(1, SCRATCH // (4 * PERIOD))
         for i, n in enumerate(lengths):
@@ -145,8 +143,7 @@ class SegmentPlan:
                     step = max(1, SCRATCH // (rr[1] - rr[0]) // PERIOD - 1) * PERIOD
                     chunks = tuple((a, min(a + step, n)) for a in range(0, n, step))
                     folds.append(_Fold(rr, tuple((starts[i] + a, starts[i] + b) for a, b in chunks), out(rr, [i])))
-        runs.sort(key=lambda run: run.rows)  # one split of the buffer per row range
-        return SegmentPlan(rows, cols, slots, tuple(starts[1:]), tuple(runs), tuple(folds))
+        return SegmentPlan(rows, cols, slots, tuple(runs), tuple(folds))
 
     def sums(
         self, values: torch.Tensor, signs: torch.Tensor, probes: int, shift: int, scratch: torch.Tensor, norms=True
@@ -157,14 +154,16 @@ class SegmentPlan:
         view = values.view(self.rows, self.cols)
         dots = torch.zeros(self.slots, probes, dtype=torch.float64, device=values.device)
         squares = torch.zeros(self.slots if norms else 0, dtype=torch.float64, device=values.device)
-        split_rows, pieces = None, ()
         for run in self.runs:
-            if run.rows != split_rows:  # most plans split once
-                split_rows, pieces = run.rows, view[run.rows[0] : run.rows[1]].tensor_split(self.bounds, dim=1)
-            members = run.members(pieces)
-            x = scratch[: (run.rows[1] - run.rows[0]) * len(members) * run.length]
-            # one gather in the buffer's dtype (one kernel however many members), one cast to float64
-            x.view(run.rows[1] - run.rows[0], -1).copy_(members[0] if len(members) == 1 else torch.cat(members, dim=1))
+            rows = run.rows[1] - run.rows[0]
+            first = values.storage_offset() + run.rows[0] * self.cols
+            pieces = [
+                values.as_strided((rows, count, run.length), (self.cols, spacing, 1), first + column)
+                for column, count, spacing in run.strided
+            ]  # [rows, count, length] each: views, nothing read yet
+            gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [rows, members, length]
+            x = scratch[: gathered.numel()]
+            x.view(gathered.shape).copy_(gathered)  # one read in the buffer's dtype, one cast to float64
             x = x.view(-1, run.length)  # [rows * members, length], row-major
             dots.index_add_(0, run.out, _signed(x, signs, probes, shift))
             if norms:
@@ -187,8 +186,17 @@ class SegmentPlan:
         return dots, squares.sqrt_() if norms else None
 
 
-def _single(i: int):
-    return lambda pieces: (pieces[i],)
+def _evenly_spaced(starts: list[int], length: int) -> tuple[tuple[int, int, int], ...]:
+    """``starts`` (increasing) as runs of evenly spaced columns, ``(first, count, spacing)``, in order."""
+    runs: list[list[int]] = []  # [first, count, spacing]
+    for start in starts:
+        last = runs[-1] if runs else None
+        if last is not None and (last[1] == 1 or start - last[0] == last[1] * last[2]):
+            last[2] = start - last[0] if last[1] == 1 else last[2]
+            last[1] += 1
+        else:
+            runs.append([start, 1, length])
+    return tuple((first, count, spacing) for first, count, spacing in runs)
 
 
 def bucket_plans(bucket: Bucket, *, shard: ShardGroup) -> tuple[SegmentPlan, SegmentPlan]:
