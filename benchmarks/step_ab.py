@@ -194,6 +194,8 @@ def main() -> None:
     command = f"python benchmarks/step_ab.py --rounds {args.rounds}"
     if not everything:
         command += f" --models {','.join(models)} --variants {','.join(variants)}"
+    if args.name:
+        command += f" --name {args.name}"
     RESULTS.mkdir(exist_ok=True)
     result = collect(body, 2, rounds=args.rounds, models=models, variants=variants)
     rows, collectives = result["steps"], result["collectives"]
