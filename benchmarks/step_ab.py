@@ -2,11 +2,14 @@
 
     python benchmarks/step_ab.py              # ~3 min; results/step_ab.{md,json,png}
     python benchmarks/step_ab.py --rounds 30
+    python benchmarks/step_ab.py --models many_small_300 --variants ddp_fused,zero1,zero1_verify_off --name step_ab_300
 
 ``step_time.py`` compares whole implementations; across two of its runs at the same code the ratios
 of a latency-bound model move by more than a small change does (the host's load changes between
 runs). Here the variants of one change run in the same rounds, A B A B ..., next to fused DDP:
 
+- ``zero1_verify_every_1`` and ``zero1_verify_off``, diagnostics: the integrity checks at every step
+  and off, beside ``zero1`` with their default (``verify_every="auto"``: within 1% of the step);
 - ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
   ``POINT_TO_POINT_MIN_BYTES`` too, instead of gloo's own collectives ([Note: gloo point-to-point]
   in ``comm.py``);
@@ -17,7 +20,8 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
   step.
 
 Reported per setup: the median step time, and its per-round ratio to ``ddp_fused`` (median, min,
-max); ``max_param_diff`` from ``ddp_fused`` after all the steps shows every variant trained the same.
+max), in wall time and in rank 0's CPU time (which other jobs on the machine disturb less);
+``max_param_diff`` from ``ddp_fused`` after all the steps shows every variant trained the same.
 """
 
 from __future__ import annotations
@@ -64,17 +68,19 @@ def no_all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op: str =
 CURRENT = {name: getattr(comm, name) for name in ("POINT_TO_POINT_MIN_BYTES", "all_reduce")}
 # The float64 norm's step-level variant is gone: the step's norm is the blocked one, inside
 # StepStats.decide, and nothing swaps it; the two norms are compared directly below (norm_timings).
-VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the current code)
-    "ddp_fused": ("ddp_fused", {}),
-    "zero1": ("zero1", {}),
-    "zero2": ("zero2", {}),
-    "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}),
-    "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}),
+VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the current code, ZeroConfig fields)
+    "ddp_fused": ("ddp_fused", {}, {}),
+    "zero1": ("zero1", {}, {}),
+    "zero1_verify_every_1": ("zero1", {}, {"verify_every": 1}),
+    "zero1_verify_off": ("zero1", {}, {"verify_every": "off"}),
+    "zero2": ("zero2", {}, {}),
+    "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}, {}),
+    "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}, {}),
 }
 
 
 def use(variant: str) -> None:
-    _, limits = VARIANTS[variant]
+    _, limits, _ = VARIANTS[variant]
     for name, value in (CURRENT | limits).items():
         setattr(comm, name, value)
 
@@ -109,23 +115,44 @@ def collective_timings(repeats: int = 40, compute_ms: float = 2.0) -> list[dict]
     return rows
 
 
-def body(rank: int, world_size: int, out: str, rounds: int) -> None:
+def timed_on_cpu(run, turns: list[float]):
+    """``run`` that adds the CPU seconds of this process it takes to ``turns[-1]``."""
+
+    def timed() -> None:
+        start = time.process_time()
+        run()
+        turns[-1] += time.process_time() - start
+
+    return timed
+
+
+def body(rank: int, world_size: int, out: str, rounds: int, models: list[str], variants: list[str]) -> None:
     torch.set_num_threads(1)
     rows = []
-    for kind, (build, steps) in MODELS.items():
+    for kind in models:
+        build, steps = MODELS[kind]
         loss_of = loss_fn(kind, rank)
-        setups = {name: Setup(VARIANTS[name][0], build(), 1) for name in VARIANTS}
+        setups = {name: Setup(VARIANTS[name][0], build(), 1, VARIANTS[name][2]) for name in variants}
         torch.set_num_threads(1)
-        runs = {name: functools.partial(setup.step, loss_of) for name, setup in setups.items()}
-        times = interleaved_ms_per_step(runs, rounds, steps, WARMUP, before=use)
+        cpu: dict[str, list[float]] = {name: [] for name in setups}  # this rank's CPU seconds per turn
+        runs = {name: timed_on_cpu(functools.partial(setup.step, loss_of), cpu[name]) for name, setup in setups.items()}
+
+        def before(name: str, cpu: dict[str, list[float]] = cpu) -> None:
+            use(name)
+            cpu[name].append(0.0)
+
+        times = interleaved_ms_per_step(runs, rounds, steps, WARMUP, before=before)
+        cpu_ms = {name: [1000 * t / steps for t in turns[1:]] for name, turns in cpu.items()}  # [0]: the warm-up
         use("zero2")
         for name, setup in setups.items():
             row = {"model": kind, "setup": name, "ms_per_step": statistics.median(times[name])}
             row.update({f"vs_ddp_fused{k}": v for k, v in ratios(times, name, "ddp_fused").items()})
+            row["cpu_ms_per_step"] = statistics.median(cpu_ms[name])
+            row.update({f"cpu_vs_ddp_fused{k}": v for k, v in ratios(cpu_ms, name, "ddp_fused").items()})
             row["max_param_diff"] = max_param_diff(setup, setups["ddp_fused"])
             rows.append(row)
         del setups
-    collectives = collective_timings()
+    collectives = collective_timings() if len(models) == len(MODELS) else []
     if rank == 0:
         Path(out).write_text(json.dumps({"steps": rows, "collectives": collectives}))
 
@@ -153,32 +180,55 @@ def norm_timings(numel: int = 2_800_000, repeats: int = 20) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per model (default {ROUNDS})")
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of: %(default)s")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: %(default)s")
+    parser.add_argument("--name", help="results/NAME.{md,json,png} (default: step_ab, or step_ab_subset for a subset)")
+    args = parser.parse_args()
+    models, variants = args.models.split(","), args.variants.split(",")
+    unknown = sorted(set(models) - set(MODELS)) + sorted(set(variants) - set(VARIANTS))
+    if unknown or "ddp_fused" not in variants:
+        parser.error(f"unknown models/variants {unknown}, or ddp_fused (the baseline) left out")
+    models, variants = [m for m in MODELS if m in models], [v for v in VARIANTS if v in variants]
+    everything = len(models) == len(MODELS) and len(variants) == len(VARIANTS)
+    name = args.name or ("step_ab" if everything else "step_ab_subset")
+    command = f"python benchmarks/step_ab.py --rounds {args.rounds}"
+    if not everything:
+        command += f" --models {','.join(models)} --variants {','.join(variants)}"
+    if args.name:
+        command += f" --name {args.name}"
     RESULTS.mkdir(exist_ok=True)
-    result = collect(body, 2, rounds=rounds)
+    result = collect(body, 2, rounds=args.rounds, models=models, variants=variants)
     rows, collectives = result["steps"], result["collectives"]
     header = (
         "# A/B of step-time changes, world size 2, CPU/gloo, 1 thread per rank\n\n"
-        f"`python benchmarks/step_ab.py --rounds {rounds}`: variants interleaved, {rounds} rounds of "
-        f"{', '.join(f'{steps} ({kind})' for kind, (_, steps) in MODELS.items())} steps after {WARMUP} warm-up "
-        "steps; ms_per_step = median over rounds; vs_ddp_fused = per-round ratio to DDP with fused AdamW "
-        "(median, min, max); max_param_diff = largest absolute difference of any param from ddp_fused's after "
-        "all the steps. zero2_p2p_small_buckets: point-to-point exchanges for buckets under "
-        f"{comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a diagnostic: what the step's "
-        "one small all-reduce costs): the "
-        "norm/used-flags all-reduce skipped, each rank using its own rows' norm, which trains the same here "
-        "only because nothing is clipped and every param is used on every rank."
+        f"`{command}`: variants interleaved, {args.rounds} rounds of "
+        f"{', '.join(f'{MODELS[kind][1]} ({kind})' for kind in models)} steps after {WARMUP} warm-up "
+        "steps; ms_per_step = median wall time over rounds; vs_ddp_fused = per-round ratio to DDP with fused AdamW "
+        "(median, min, max); cpu_ms_per_step and cpu_vs_ddp_fused: the same for rank 0's CPU time (the process's, "
+        "threads included), which a loaded machine disturbs less; max_param_diff = largest absolute difference "
+        "of any param from ddp_fused's after all the steps. zero1_verify_every_1 and zero1_verify_off (diagnostics: "
+        "what a verify step costs, and what the checks' default, verify_every='auto', costs): checks at every "
+        "step, and none. zero2_p2p_small_buckets: point-to-point "
+        f"exchanges for buckets under {comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a "
+        "diagnostic: what the step's one small all-reduce costs): the norm/used-flags all-reduce skipped, each "
+        "rank using its own rows' norm, which trains the same here only because nothing is clipped and every "
+        "param is used on every rank."
     )
     columns = ["model", "setup", "ms_per_step", "vs_ddp_fused", "vs_ddp_fused_min", "vs_ddp_fused_max"]
-    lines = [f"| {c['op']} | {c['floats_per_rank']:,} | {c['ms_gloo']:.2f} | {c['ms_p2p']:.2f} |" for c in collectives]
-    exchanges = (
-        "\n\nOne collective right after 2 ms of host compute, median ms of 40 (W=2, fp32; the bucket sizes "
-        "of the models above are 40,800 (300 tensors), 272,000 (2,000) and 5.6M (GPT-2) floats in all):\n\n"
-        "| op | floats per rank | gloo's own | point-to-point |\n|---|---|---|---|\n" + "\n".join(lines) + "\n"
-    )
-    print(write_results("step_ab", rows, columns + ["max_param_diff"], header, norm_timings() + exchanges))
+    columns += ["cpu_ms_per_step", "cpu_vs_ddp_fused", "cpu_vs_ddp_fused_min", "cpu_vs_ddp_fused_max"]
+    footer = ""
+    if collectives:
+        lines = [
+            f"| {c['op']} | {c['floats_per_rank']:,} | {c['ms_gloo']:.2f} | {c['ms_p2p']:.2f} |" for c in collectives
+        ]
+        footer = norm_timings() + (
+            "\n\nOne collective right after 2 ms of host compute, median ms of 40 (W=2, fp32; the bucket sizes "
+            "of the models above are 40,800 (300 tensors), 272,000 (2,000) and 5.6M (GPT-2) floats in all):\n\n"
+            "| op | floats per rank | gloo's own | point-to-point |\n|---|---|---|---|\n" + "\n".join(lines) + "\n"
+        )
+    print(write_results(name, rows, columns + ["max_param_diff"], header, footer))
     bar_plot(
-        RESULTS / "step_ab.png",
+        RESULTS / f"{name}.png",
         [f"{r['model']} {r['setup']}" for r in rows],
         [r["vs_ddp_fused"] for r in rows],
         [(r["vs_ddp_fused_min"], r["vs_ddp_fused_max"]) for r in rows],

@@ -149,11 +149,21 @@ def test_an_exact_reduction_checksums_to_the_sum_of_what_the_ranks_sent(whole):
         assert sent[rank].abs().sum() > 0 or rows.abs().sum() == 0
 
 
-def test_segment_sums_equal_the_dot_with_each_elements_sign():
-    """The fold and the gathered products are the dot of each segment with S[(shift + q) mod PERIOD]."""
+# One segment each; then segments of one length at even and uneven spacing (runs of evenly spaced
+# columns, layers repeating), between others, the last one at the end of the buffer.
+SEGMENT_SHAPES = [
+    [(5,), (2 * (2 * PERIOD + 77),), (300,)],
+    [(6,), (300,), (6,), (300,), (6,), (300,), (6,), (6,), (8,), (300,), (6,), (3, 4), (6,), (300,), (6,)],
+]
+
+
+@pytest.mark.parametrize("shapes", SEGMENT_SHAPES)
+def test_segment_sums_equal_the_dot_with_each_elements_sign(shapes):
+    """The fold and the gathered products are the dot of each segment with S[(shift + q) mod PERIOD],
+    also in a buffer that starts inside its storage."""
     world_size = 2
-    bucket = _bucket([(5,), (2 * (2 * PERIOD + 77),), (300,)], world_size)
-    flat = torch.randn(bucket.packed_numel)
+    bucket = _bucket(shapes, world_size)
+    flat = torch.randn(bucket.packed_numel + 3)[3:]
     signs, scratch = sign_table(8, CPU), torch.empty(SCRATCH, dtype=torch.float64)
     shift = PERIOD - 100  # the signs wrap around the table
     dots, norms = bucket_plans(bucket, shard=_shard(0, world_size))[0].sums(flat, signs, 8, shift, scratch)
@@ -290,16 +300,34 @@ def test_the_hash_sees_a_flip_a_cancelling_pair_and_a_swap():
     assert changed[0] == base[0] and changed[1] != base[1]
 
 
-def test_hashes_stacked_by_length_equal_the_hashes_one_by_one():
-    tensors = [torch.randn(n) for n in (2, 6, 6, 2 * checksums.HASH_WIDTH + 4, 2 * checksums.HASH_BATCH + 2, 4, 3)]
+def _hash_by_definition(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``tensor_hash`` as its docstring defines it, one word at a time in plain int64 arithmetic."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    if raw.numel() % 8 == 0:
+        words = raw.view(torch.int64)
+    else:
+        words = (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
+    positions = torch.arange(words.numel()) % checksums.HASH_WIDTH
+    return torch.stack([words.sum(), (words * weights[positions]).sum()])
+
+
+def test_hashes_stacked_equal_the_hashes_one_by_one_and_the_definition():
+    width, batch = checksums.HASH_WIDTH, checksums.HASH_BATCH
+    tensors = [torch.randn(n) for n in (2, 6, 6, 2 * width, 2 * width + 2, 2 * width + 4, 2 * batch + 2, 4, 3)]
     tensors += [torch.randn(8, dtype=torch.bfloat16), torch.randn(6, 6)[:, :4], torch.zeros(0)]
+    tensors += [torch.randn(2, 3), torch.randn(3, 2), torch.randn(16, dtype=torch.bfloat16).view(4, 4)]  # 6 floats
+    tensors += [torch.randn((), dtype=torch.float64), torch.randn(3, 4, requires_grad=True)]
+    tensors += [torch.randn(64 * width + 3)]  # 4-byte words over two windows, the last one narrow
+    tensors += [torch.randint(-(2**62), 2**62, (width + 1,)), torch.randint(-(2**62), 2**62, (width - 1,))]
     named = [(f"t{i}", t) for i, t in enumerate(tensors)]
     hashes = checksums.ReplicaHashes(named)
     (rows,) = hashes.compute()
     weights = hash_weights(CPU)
-    expected = torch.stack([tensor_hash(t, weights) for t in tensors])
+    expected = torch.stack([_hash_by_definition(t, weights) for t in tensors])
+    assert torch.equal(torch.stack([tensor_hash(t, weights) for t in tensors]), expected)
     order = [int(name[1:]) for name in hashes.names]
     assert sorted(order) == list(range(len(tensors))) and torch.equal(rows, expected[order])
+    assert not rows.requires_grad
 
 
 @pytest.mark.parametrize("tensor", [torch.randn(7, dtype=torch.bfloat16), torch.arange(13, dtype=torch.uint8)])

@@ -33,7 +33,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from hf_lowzero.zero.build import build_parts
 from hf_lowzero.zero.exact import determinism_warning
@@ -43,6 +42,7 @@ from hf_lowzero.zero.inner.policy import check_fresh_optimizer, partition_for
 from hf_lowzero.zero.layout.packing import holding_any
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.notices import warn_once
+from hf_lowzero.zero.runtime.ranges import profiler_range
 from hf_lowzero.zero.update.allgather import stale_read_message
 from hf_lowzero.zero.update.kernel_factor import StepFactor
 from hf_lowzero.zero.update.step import StepVerdict, count_skipped_step, unscale_clip_coef
@@ -216,7 +216,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         self._parts.sync.check_finished("step")
         self._parts.guard.check()
         self._parts.groups.check_sizes()
-        with record_function("hf_lowzero::grad_norm"):
+        with profiler_range("hf_lowzero::grad_norm"):
             reduced, verdict = self._norm_and_usage()
         if not math.isfinite(verdict.scaled_norm):
             self.last_step_applied = False
@@ -233,7 +233,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         coef = unscale_clip_coef(self.last_grad_norm, self.config.clip_grad_norm, self.scaler.scale)
         ours = self.host_step is not None and self.host_step.why_not() is None
         if not ours and self.reducer.store.offloaded:
-            with record_function("hf_lowzero::widen_rows"):  # [Note: 16-bit rows]: torch's step reads fp32 rows
+            with profiler_range("hf_lowzero::widen_rows"):  # [Note: 16-bit rows]: torch's step reads fp32 rows
                 if self.reducer.store.widen_all():
                     reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
         with self._factor.applied(reduced, coef, host_kernel=ours):
@@ -263,12 +263,12 @@ class LowLevelZeroOptimizer(OptimizerFacade):
             parts.unused_mask.apply(used)
         parts.groups.sync()
         parts.master.gate.before_write()  # [Note: one gate for the shard's writers]
-        with record_function("hf_lowzero::inner_step"), parts.precision.stepping(), dev.phase("inner_step"):
+        with profiler_range("hf_lowzero::inner_step"), parts.precision.stepping(), dev.phase("inner_step"):
             # [Note: our kernel in torch's place]; each bucket's rows leave as stepped ([Note: rows sent as stepped])
             if parts.host_step is None or not parts.host_step.step(after_chunk=parts.gather.upload):
                 self.reducer.store.widen_all()  # [Note: 16-bit rows] (a no-op when already widened)
                 self.optim.step()  # whatever it syncs is its own, as without ZeRO (torch's Adafactor reads its step)
-        with record_function("hf_lowzero::all_gather_issue"):
+        with profiler_range("hf_lowzero::all_gather_issue"):
             parts.gather.issue()
 
     def grad_norm(self) -> float:

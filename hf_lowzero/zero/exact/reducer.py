@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.profiler import record_function
 
 from hf_lowzero.zero.exact.fixed_point import quantize
 from hf_lowzero.zero.exact.grid import Grid
@@ -31,6 +30,7 @@ from hf_lowzero.zero.layout.packing import bucket_view, pack_bucket
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime.buffers import BufferPool
 from hf_lowzero.zero.runtime.memory import bytes_by_device, same_memory
+from hf_lowzero.zero.runtime.ranges import profiler_range
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 SUM_DTYPE = torch.int64
@@ -107,9 +107,9 @@ class ExactReducer(BucketReducer):
             self.contributions += 1
         taken = []
         values = self.pool.take(bucket.packed_numel, torch.float32, bucket.device)
-        with record_function("hf_lowzero::pack_bucket"):
+        with profiler_range("hf_lowzero::pack_bucket"):
             pack_bucket(bucket, values, world_size=1, plan=self.pack_plans[bucket.index], grads=grads, divide=False)
-        with record_function("hf_lowzero::quantize"):
+        with profiler_range("hf_lowzero::quantize"):
             direct = self.accumulator(bucket) if first else None
             if self.shard.world_size == 1:  # no collective: into the accumulator, or added to it
                 quantized = self.accumulator(bucket)
@@ -128,7 +128,7 @@ class ExactReducer(BucketReducer):
 
     def finish(self, reduction: Reduction) -> None:
         bucket = reduction.bucket
-        with record_function("hf_lowzero::reduce_wait"):
+        with profiler_range("hf_lowzero::reduce_wait"):
             comm.wait(reduction.work)
         if self.shard.world_size > 1:
             self.tap.after_reduce(bucket, reduction.out)  # this micro-batch's int64 sums, before accumulating

@@ -24,7 +24,6 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.profiler import record_function
 
 from hf_lowzero.zero.exact.fixed_point import convert, int_max_abs
 from hf_lowzero.zero.exact.grid import square_exponents
@@ -33,6 +32,7 @@ from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
+from hf_lowzero.zero.runtime.ranges import profiler_range
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.step import StepVerdict
 
@@ -60,7 +60,7 @@ class ExactStepStats:
         """
         reducer, n = self.reducer, len(self.numels)
         held = [bucket for bucket in reducer.buckets if reducer.holds[bucket.index]]
-        with record_function("hf_lowzero::exact_maxima"):
+        with profiler_range("hf_lowzero::exact_maxima"):
             maxima = torch.zeros(2 * n + self.world_size, dtype=torch.float64, device=self.device)
             maxima[:n] = reducer.max_abs
             for bucket in held:  # int64 maxima: float64 rounds them as it rounds each sum, monotonically
@@ -78,7 +78,7 @@ class ExactStepStats:
         if not overflowed:
             divisor = float(max(count, 1)) if reducer.average else 1.0
             factors = [2.0**-s / divisor for s in grid.exponents()]  # one multiply: deterministic, W-free
-            with record_function("hf_lowzero::exact_convert"):
+            with profiler_range("hf_lowzero::exact_convert"):
                 square_exps = square_exponents(_converted(sum_max, factors), self.numels)
                 for bucket in held:
                     self._convert(bucket, factors, square_exps, squares)

@@ -31,7 +31,6 @@ from collections import Counter
 from typing import Protocol
 
 import torch
-from torch.profiler import record_function
 
 from hf_lowzero.zero.grads.grad_store import DeviceGradStore
 from hf_lowzero.zero.layout.buckets import Bucket, Reduction
@@ -39,6 +38,7 @@ from hf_lowzero.zero.layout.packing import pack_bucket, pack_plan
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime.buffers import BufferPool
 from hf_lowzero.zero.runtime.memory import bytes_by_device
+from hf_lowzero.zero.runtime.ranges import profiler_range
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 
@@ -110,12 +110,12 @@ class BucketReducer:
         taken = []  # pooled buffers this bucket holds until its collective is done
         if self.shard.world_size == 1:  # nothing to reduce: the packed bucket is this rank's chunk
             out = direct if direct is not None else self.take(bucket.row_numel, dtype, bucket.device, taken)
-            with record_function("hf_lowzero::pack_bucket"):
+            with profiler_range("hf_lowzero::pack_bucket"):
                 pack_bucket(bucket, out, world_size=1, plan=self.pack_plans[bucket.index], grads=grads)
             return Reduction(bucket, None, out, tuple(taken))
         flat = self.take(bucket.packed_numel, dtype, bucket.device, taken)
         average = self.averages and not bucket.whole
-        with record_function("hf_lowzero::pack_bucket"):
+        with profiler_range("hf_lowzero::pack_bucket"):
             plan = self.pack_plans[bucket.index]
             pack_bucket(bucket, flat, world_size=self.shard.world_size, plan=plan, grads=grads, divide=not average)
         self.tap.after_pack(bucket, flat, divided=not average)
@@ -152,11 +152,11 @@ class BucketReducer:
 
     def finish(self, reduction: Reduction) -> None:
         bucket = reduction.bucket
-        with record_function("hf_lowzero::reduce_wait"):
+        with profiler_range("hf_lowzero::reduce_wait"):
             comm.wait(reduction.work)  # on gloo also the local sum of the received chunks
         if self.shard.world_size > 1:
             self.tap.after_reduce(bucket, reduction.out)
-        with record_function("hf_lowzero::accept_chunk"):
+        with profiler_range("hf_lowzero::accept_chunk"):
             self.store.accept(bucket, reduction.out, first=not self.holds[bucket.index])
         for buffer in reduction.buffers:
             self.pool.give(buffer)

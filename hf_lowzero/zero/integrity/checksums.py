@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +72,13 @@ def _signed(x: torch.Tensor, signs: torch.Tensor, probes: int, shift: int) -> to
 
 @dataclass(frozen=True, eq=False)
 class _Run:
-    """Segments of one length, gathered and multiplied at once: rows ``rows`` of the members
-    (positions in the plan's split) ``members``; results go to output slots ``out`` (row-major)."""
+    """Segments of one length, gathered and multiplied at once: rows ``rows`` of the members, read
+    as ``strided`` runs of evenly spaced segments (``(first column, count, spacing)``, in member
+    order: layers repeat, so a model's members of one length take a few); results go to output slots
+    ``out`` (row-major)."""
 
     rows: tuple[int, int]
-    members: Callable  # the split's pieces -> this run's
+    strided: tuple[tuple[int, int, int], ...]
     length: int
     out: torch.Tensor  # [rows * members] int64, on the device
 
@@ -104,7 +104,6 @@ class SegmentPlan:
     rows: int
     cols: int
     slots: int  # outputs: segments times rows (empty segments stay zero)
-    bounds: tuple[int, ...]  # column splits: piece i of the split is segment i
     runs: tuple[_Run, ...]
     folds: tuple[_Fold, ...]
 
@@ -134,8 +133,7 @@ class SegmentPlan:
                 rr = (r, min(rows, r + per_rows))
                 for k in range(0, len(members), per_members):
                     chosen = members[k : k + per_members]
-                    picker = operator.itemgetter(*chosen) if len(chosen) > 1 else _single(chosen[0])
-                    runs.append(_Run(rr, picker, n, out(rr, chosen)))
+                    runs.append(_Run(rr, _evenly_spaced([starts[i] for i in chosen], n), n, out(rr, chosen)))
         # a fold holds [rows, PERIOD] and reads [rows, periods * PERIOD] at a time, within SCRATCH
         fold_rows = max(1, SCRATCH // (4 * PERIOD))
         for i, n in enumerate(lengths):
@@ -145,8 +143,7 @@ class SegmentPlan:
                     step = max(1, SCRATCH // (rr[1] - rr[0]) // PERIOD - 1) * PERIOD
                     chunks = tuple((a, min(a + step, n)) for a in range(0, n, step))
                     folds.append(_Fold(rr, tuple((starts[i] + a, starts[i] + b) for a, b in chunks), out(rr, [i])))
-        runs.sort(key=lambda run: run.rows)  # one split of the buffer per row range
-        return SegmentPlan(rows, cols, slots, tuple(starts[1:]), tuple(runs), tuple(folds))
+        return SegmentPlan(rows, cols, slots, tuple(runs), tuple(folds))
 
     def sums(
         self, values: torch.Tensor, signs: torch.Tensor, probes: int, shift: int, scratch: torch.Tensor, norms=True
@@ -157,14 +154,16 @@ class SegmentPlan:
         view = values.view(self.rows, self.cols)
         dots = torch.zeros(self.slots, probes, dtype=torch.float64, device=values.device)
         squares = torch.zeros(self.slots if norms else 0, dtype=torch.float64, device=values.device)
-        split_rows, pieces = None, ()
         for run in self.runs:
-            if run.rows != split_rows:  # most plans split once
-                split_rows, pieces = run.rows, view[run.rows[0] : run.rows[1]].tensor_split(self.bounds, dim=1)
-            members = run.members(pieces)
-            x = scratch[: (run.rows[1] - run.rows[0]) * len(members) * run.length]
-            # one gather in the buffer's dtype (one kernel however many members), one cast to float64
-            x.view(run.rows[1] - run.rows[0], -1).copy_(members[0] if len(members) == 1 else torch.cat(members, dim=1))
+            rows = run.rows[1] - run.rows[0]
+            first = values.storage_offset() + run.rows[0] * self.cols
+            pieces = [
+                values.as_strided((rows, count, run.length), (self.cols, spacing, 1), first + column)
+                for column, count, spacing in run.strided
+            ]  # [rows, count, length] each: views, nothing read yet
+            gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [rows, members, length]
+            x = scratch[: gathered.numel()]
+            x.view(gathered.shape).copy_(gathered)  # one read in the buffer's dtype, one cast to float64
             x = x.view(-1, run.length)  # [rows * members, length], row-major
             dots.index_add_(0, run.out, _signed(x, signs, probes, shift))
             if norms:
@@ -187,8 +186,17 @@ class SegmentPlan:
         return dots, squares.sqrt_() if norms else None
 
 
-def _single(i: int):
-    return lambda pieces: (pieces[i],)
+def _evenly_spaced(starts: list[int], length: int) -> tuple[tuple[int, int, int], ...]:
+    """``starts`` (increasing) as runs of evenly spaced columns, ``(first, count, spacing)``, in order."""
+    runs: list[list[int]] = []  # [first, count, spacing]
+    for start in starts:
+        last = runs[-1] if runs else None
+        if last is not None and (last[1] == 1 or start - last[0] == last[1] * last[2]):
+            last[2] = start - last[0] if last[1] == 1 else last[2]
+            last[1] += 1
+        else:
+            runs.append([start, 1, length])
+    return tuple((first, count, spacing) for first, count, spacing in runs)
 
 
 def bucket_plans(bucket: Bucket, *, shard: ShardGroup) -> tuple[SegmentPlan, SegmentPlan]:
@@ -225,9 +233,10 @@ def bound_factors(bucket: Bucket, *, world_size: int, unit_roundoff: float, sigm
 
 class ReplicaHashes:
     """The replica hashes of ``tensors`` (``(name, tensor)`` pairs; ``tensor_hash`` of each),
-    planned once: device by device, tensors of up to HASH_BATCH words stacked with the others of
-    their length and hashed at once (thousands of biases, norms or adapters cost a few operations),
-    the others one by one. ``names``: the order of ``compute()``'s rows.
+    planned once: device by device, contiguous tensors of up to HASH_BATCH words stacked with the
+    others of their dtype and shape and hashed at once (thousands of biases, norms or adapters cost
+    a few operations, and no Python work per tensor), the others one by one. ``names``: the order of
+    ``compute()``'s rows.
 
     Example::
 
@@ -236,19 +245,20 @@ class ReplicaHashes:
     """
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        plan: dict[torch.device, tuple[dict[int, list], list]] = {}
+        plan: dict[torch.device, tuple[dict[tuple, list], list]] = {}
         for name, t in tensors:
             nbytes, offset = t.numel() * t.element_size(), t.storage_offset() * t.element_size()
             stacked, single = plan.setdefault(t.device, ({}, []))
             if t.is_contiguous() and 0 < nbytes <= 8 * HASH_BATCH and nbytes % 8 == 0 and offset % 8 == 0:
-                stacked.setdefault(nbytes // 8, []).append((name, t))
+                stacked.setdefault((t.dtype, tuple(t.shape)), []).append((name, t))
             else:
                 single.append((name, t))
         self.names: list[str] = []
-        self._devices = []  # per device: its weights, stacks (lists of tensors of one length), singles
+        self._devices = []  # per device: its weights, stacks (lists of tensors of one dtype and shape), singles
         for device, (stacked, single) in plan.items():
             stacks = []
-            for words, members in stacked.items():
+            for members in stacked.values():
+                words = members[0][1].numel() * members[0][1].element_size() // 8
                 per = max(1, SCRATCH // words)  # what one stack copies
                 stacks += [members[k : k + per] for k in range(0, len(members), per)]
             for pairs in [*stacks, single]:
@@ -257,11 +267,15 @@ class ReplicaHashes:
                 (hash_weights(device), [[t for _, t in pairs] for pairs in stacks], [t for _, t in single])
             )
 
+    @torch.no_grad()
     def compute(self) -> list[torch.Tensor]:
-        """Every tensor's ``tensor_hash``, as ``[tensors, 2]`` int64 per device (no host sync)."""
+        """Every tensor's ``tensor_hash``, as ``[tensors, 2]`` int64 per device (no host sync). A
+        stack's row holds its tensor's bytes in memory order (each is contiguous): its words."""
         out = []
         for weights, stacks, single in self._devices:
-            rows = [_finish(_fold(torch.stack([_words(t) for t in stack])), weights) for stack in stacks]
+            rows = [
+                _finish(_fold(torch.stack(stack).view(len(stack), -1).view(torch.int64)), weights) for stack in stacks
+            ]
             rows += [torch.stack([tensor_hash(t, weights) for t in single])] if single else []
             out.append(torch.cat(rows))
         return out
@@ -284,16 +298,18 @@ def tensor_hash(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.storage_offset() % 4 == 0 else raw
     window = 64 * HASH_WIDTH
     folds = [_fold(words[a : a + window].to(torch.int64).view(1, -1)) for a in range(0, max(1, words.numel()), window)]
-    return _finish(sum(folds[1:], folds[0]), weights)[0]
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8).view(torch.int64)
+    total = folds[0]  # full width where more windows follow; the last may be narrower
+    for fold in folds[1:]:
+        total[:, : fold.shape[1]] += fold
+    return _finish(total, weights)[0]
 
 
 def _fold(words: torch.Tensor) -> torch.Tensor:
-    """``[k, n]`` int64 words -> ``[k, HASH_WIDTH]``: each row summed by position mod HASH_WIDTH."""
+    """``[k, n]`` int64 words -> ``[k, min(n, HASH_WIDTH)]``: each row summed by position mod
+    HASH_WIDTH (rows no longer than that are their own fold: the positions past n would be zeros)."""
     k, n = words.shape
+    if n <= HASH_WIDTH:
+        return words
     full = n // HASH_WIDTH * HASH_WIDTH
     fold = words[:, :full].view(k, -1, HASH_WIDTH).sum(1)
     fold[:, : n - full] += words[:, full:]
@@ -301,5 +317,5 @@ def _fold(words: torch.Tensor) -> torch.Tensor:
 
 
 def _finish(fold: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[k, 2]``: the two hashes of each row's fold."""
-    return torch.stack([fold.sum(1), (fold * weights).sum(1)], dim=1)
+    """``[k, 2]``: the two hashes of each row's fold (its positions weighted by the first weights)."""
+    return torch.stack([fold.sum(1), (fold * weights[: fold.shape[1]]).sum(1)], dim=1)

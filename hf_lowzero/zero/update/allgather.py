@@ -63,7 +63,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from hf_lowzero.zero.host.adam_step import ParamCopy
 from hf_lowzero.zero.layout.buckets import Bucket
@@ -72,6 +71,7 @@ from hf_lowzero.zero.layout.params import ParamSlot
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.buffers import BufferPool
+from hf_lowzero.zero.runtime.ranges import profiler_range
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.write_gate import WriteGate
 
@@ -166,7 +166,7 @@ class ParamGather:
             rows = self.pool.take(bucket.row_numel, bucket.dtype, bucket.device).copy_(rows)
         copied = rows is not master_rows  # identity, not data_ptr(): this runs under FakeTensorMode too
         if self.shard.world_size == 1:  # the rows are the whole params: nothing to gather
-            with record_function("hf_lowzero::unpack_bucket"):
+            with profiler_range("hf_lowzero::unpack_bucket"):
                 unpack_bucket(bucket, rows, world_size=1, targets=self._targets[bucket.index])
             if copied:
                 self.pool.give(rows)
@@ -180,11 +180,11 @@ class ParamGather:
         return Gather(bucket, work, rows, out, copied)
 
     def _finish(self, gather: Gather) -> None:
-        with record_function("hf_lowzero::all_gather_wait"):
+        with profiler_range("hf_lowzero::all_gather_wait"):
             comm.wait(gather.work)  # chunk and out stay referenced until here
         bucket = gather.bucket
         dev.mark_current(self._params[bucket.index])
-        with record_function("hf_lowzero::unpack_bucket"):
+        with profiler_range("hf_lowzero::unpack_bucket"):
             unpack_bucket(bucket, gather.out, world_size=self.shard.world_size, targets=self._targets[bucket.index])
         # The unpack read ``out`` on the stream current now (the forward's, maybe a side stream): the
         # allocator must not hand its memory to the stream it was made on before that read is done.
