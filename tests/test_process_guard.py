@@ -78,5 +78,6 @@ def test_a_killed_plan_leaves_no_simulation_running(tmp_path):
     tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
     argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    plan = subprocess.Popen([sys.executable, "-m", "hf_lowzero.plan", *argv], env=env, stderr=subprocess.PIPE)
+    command = [sys.executable, "-m", "hf_lowzero.trainer.plan_cli", *argv]
+    plan = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
     kill_parent_and_check_child_gone(plan, wait_for_child_s=300)
