@@ -1,0 +1,120 @@
+"""How long the plan takes for Llama-3-8B on 16 GPUs in 2 nodes, with and without gradient checkpointing.
+
+    python benchmarks/plan_speed.py                          # ~5 min on a loaded 2-core machine
+    python benchmarks/plan_speed.py --baseline 484066c       # also the plan at that commit, in the same run
+
+Each case runs the user's command in a fresh process and times it from start to exit::
+
+    python -m hf_lowzero.trainer.plan_cli --model <Llama-3-8B config> --world-size 16 --ranks-per-node 8 \
+        --device-memory 80GiB --seq-len 2048 --bf16 [--gradient_checkpointing]
+
+The config is built here (transformers' ``LlamaConfig`` in Llama-3-8B's shape: 32 layers, 4096 wide,
+14336 in the MLP, 32 heads, 8 KV heads, a 128256-token vocabulary); nothing is downloaded. The batch
+is the Trainer's default (8 per device). The target (issue 56): under 120 s each.
+
+With ``--baseline REF`` the same commands run at commit ``REF`` too (a temporary ``git worktree``;
+before the command moved to ``trainer/`` it was ``python -m hf_lowzero.plan``), each killed after
+``--timeout`` seconds. The table then gives the ratio baseline / now and whether both plans give
+the same peak per setup.
+
+Writes results/plan_speed.md and results/plan_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_results  # noqa: E402
+from hf_lowzero.process_guard import run_tied  # noqa: E402
+
+FLAGS = ["--world-size", "16", "--ranks-per-node", "8", "--device-memory", "80GiB", "--seq-len", "2048", "--bf16"]
+CASES = {"no checkpointing": [], "gradient checkpointing": ["--gradient_checkpointing"]}
+TARGET_S = 120
+
+
+def llama3_8b_config(folder: Path) -> Path:
+    """Llama-3-8B's config.json, written into ``folder``."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)  # fmt: skip
+    return folder / "config.json"
+
+
+def time_plan(checkout: Path, config: Path, flags: list[str], timeout: float, out: Path) -> dict:
+    """Run the plan's command of ``checkout`` once: seconds taken, exit status, the peaks per setup."""
+    module = (
+        "hf_lowzero.trainer.plan_cli" if (checkout / "hf_lowzero/trainer/plan_cli.py").is_file() else "hf_lowzero.plan"
+    )
+    command = [sys.executable, "-m", module, "--model", str(config), *FLAGS, *flags, "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    start = time.perf_counter()
+    try:
+        done = run_tied(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"seconds": None, "status": f"killed after {timeout:.0f} s", "peaks": {}}
+    seconds = time.perf_counter() - start
+    if done.returncode not in (0, 1):  # 1: nothing fits, a plan all the same
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    plan = json.loads(out.read_text())
+    peaks = {row["label"]: row["peak_bytes"] for row in plan["rows"]}
+    best = plan.get("recommended") or {}
+    return {"seconds": round(seconds, 1), "status": "done", "peaks": peaks, "recommended": best.get("label"),
+            "max_batch_size": best.get("max_batch_size"), "text": done.stdout}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default=None, help="a git commit to time the plan at too (same run)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before a plan is killed (600)")
+    a = parser.parse_args()
+    rows, data = [], {"flags": FLAGS, "target_s": TARGET_S, "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="plan_speed_") as tmp:
+        tmp = Path(tmp)
+        config = llama3_8b_config(tmp / "llama-3-8b")
+        baseline = None
+        if a.baseline:
+            baseline = tmp / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(baseline), a.baseline], cwd=ROOT, check=True)
+        try:
+            for name, flags in CASES.items():
+                now = time_plan(ROOT, config, flags, a.timeout, tmp / "now.json")
+                row = {"case": name, "seconds": now["seconds"], f"under {TARGET_S} s": now["seconds"] < TARGET_S}
+                row |= {"recommended": now["recommended"], "its largest batch": now["max_batch_size"]}
+                case = {"now": now}
+                if baseline is not None:
+                    before = time_plan(baseline, config, flags, a.timeout, tmp / "before.json")
+                    row["baseline s"] = before["seconds"] or before["status"]
+                    row["baseline / now"] = round(before["seconds"] / now["seconds"], 2) if before["seconds"] else "-"
+                    row["same peaks"] = before["peaks"] == now["peaks"] if before["peaks"] else "-"
+                    case["baseline"] = before
+                print(row, flush=True)
+                rows.append(row)
+                data["cases"][name] = case
+        finally:
+            if baseline is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
+    header = (
+        "# How long the plan takes: Llama-3-8B, 16 GPUs in 2 nodes\n\n`python benchmarks/plan_speed.py"
+        + (f" --baseline {a.baseline}" if a.baseline else "")
+        + f"`, on {os.cpu_count()} CPU cores. Each: `python -m hf_lowzero.trainer.plan_cli --model <Llama-3-8B config> "
+        + " ".join(FLAGS)
+        + " [--gradient_checkpointing]`, wall-clock seconds from start to exit, in a fresh process."
+    )
+    print(write_results("plan_speed", rows, list(rows[0]), header, "\n", data=data))
+
+
+if __name__ == "__main__":
+    main()
