@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -54,25 +55,32 @@ def llama3_8b_config(folder: Path) -> Path:
 
 
 def time_plan(checkout: Path, config: Path, flags: list[str], timeout: float, out: Path) -> dict:
-    """Run the plan's command of ``checkout`` once: seconds taken, exit status, the peaks per setup."""
+    """Run the plan's command of ``checkout`` once: wall and CPU seconds (its processes together),
+    exit status, the peaks per setup."""
     module = (
         "hf_lowzero.trainer.plan_cli" if (checkout / "hf_lowzero/trainer/plan_cli.py").is_file() else "hf_lowzero.plan"
     )
     command = [sys.executable, "-m", module, "--model", str(config), *FLAGS, *flags, "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    start = time.perf_counter()
+    cpu_before, start = _children_cpu(), time.perf_counter()
     try:
         done = run_tied(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"seconds": None, "status": f"killed after {timeout:.0f} s", "peaks": {}}
-    seconds = time.perf_counter() - start
+        return {"seconds": None, "cpu_seconds": None, "status": f"killed after {timeout:.0f} s", "peaks": {}}
+    seconds, cpu = time.perf_counter() - start, _children_cpu() - cpu_before
     if done.returncode not in (0, 1):  # 1: nothing fits, a plan all the same
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     plan = json.loads(out.read_text())
     peaks = {row["label"]: row["peak_bytes"] for row in plan["rows"]}
     best = plan.get("recommended") or {}
-    return {"seconds": round(seconds, 1), "status": "done", "peaks": peaks, "recommended": best.get("label"),
-            "max_batch_size": best.get("max_batch_size"), "text": done.stdout}  # fmt: skip
+    timed = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "status": "done", "peaks": peaks}
+    return timed | {"recommended": best.get("label"), "max_batch_size": best.get("max_batch_size"), "text": done.stdout}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended children and theirs (user and system)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def main() -> None:
@@ -80,6 +88,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a git commit to time the plan at too (same run)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a plan is killed (600)")
     a = parser.parse_args()
+    load = os.getloadavg()[0]
     rows, data = [], {"flags": FLAGS, "target_s": TARGET_S, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="plan_speed_") as tmp:
         tmp = Path(tmp)
@@ -91,12 +100,14 @@ def main() -> None:
         try:
             for name, flags in CASES.items():
                 now = time_plan(ROOT, config, flags, a.timeout, tmp / "now.json")
-                row = {"case": name, "seconds": now["seconds"], f"under {TARGET_S} s": now["seconds"] < TARGET_S}
+                row = {"case": name, "seconds": now["seconds"], "CPU seconds": now["cpu_seconds"]}
+                row[f"under {TARGET_S} s"] = now["seconds"] < TARGET_S
                 row |= {"recommended": now["recommended"], "its largest batch": now["max_batch_size"]}
                 case = {"now": now}
                 if baseline is not None:
                     before = time_plan(baseline, config, flags, a.timeout, tmp / "before.json")
                     row["baseline s"] = before["seconds"] or before["status"]
+                    row["baseline CPU s"] = before["cpu_seconds"] or "-"
                     row["baseline / now"] = round(before["seconds"] / now["seconds"], 2) if before["seconds"] else "-"
                     row["same peaks"] = before["peaks"] == now["peaks"] if before["peaks"] else "-"
                     case["baseline"] = before
@@ -111,7 +122,9 @@ def main() -> None:
         + (f" --baseline {a.baseline}" if a.baseline else "")
         + f"`, on {os.cpu_count()} CPU cores. Each: `python -m hf_lowzero.trainer.plan_cli --model <Llama-3-8B config> "
         + " ".join(FLAGS)
-        + " [--gradient_checkpointing]`, wall-clock seconds from start to exit, in a fresh process."
+        + " [--gradient_checkpointing]`, wall-clock seconds from start to exit, in a fresh process; CPU seconds: "
+        "its processes' together (user and system), what a loaded machine's other work does not change. "
+        f"Load average at the start: {load:.1f}."
     )
     print(write_results("plan_speed", rows, list(rows[0]), header, "\n", data=data))
 
