@@ -13,9 +13,9 @@ Example::
 
 # [Note: two processes for a large model]
 # A simulated step costs one Python dispatch per op, whatever the tensors' sizes, so a 32-layer
-# model takes tens of seconds a step (Llama-3-8B: 15-40 s on a 2-core machine), and a plan five
-# steps before its check. A second process halves that on two cores, but costs its start (torch,
-# transformers and the model's code imported: 5-10 s) and its memory (about 1 GiB), which a small
+# model takes seconds a step (Llama-3-8B: 10-15 CPU seconds), and a plan five steps before its
+# check. A second process runs half of them at once on a second core, but costs its start (torch,
+# transformers and the model's code imported: about 10 CPU seconds) and its memory, which a small
 # model's whole plan does not take: two processes from 1e9 parameters, on a machine of two cores
 # or more, where this process has fake GPUs (a fresh one gets them too). ``HF_LOWZERO_PLAN_PROCESSES``
 # (1 or 2) overrides the choice. The steps are the same either way: each runs in its own world, and
