@@ -138,9 +138,14 @@ def main() -> None:
         finally:
             if baseline is not None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
+    print(render(data))
+
+
+def render(data: dict) -> str:
+    """results/plan_speed.md from the cases timed (``data["cases"]``, this run's and earlier ones')."""
     rows = [row_of(name, data["cases"][name]) for name in CASES if name in data["cases"]]
     runs = "; ".join(
-        f"{name}: load average {case.get('load', load):.1f} at its start, baseline {case.get('baseline_ref', '-')}"
+        f"{name}: load average {case['load']:.1f} at the start, baseline {case.get('baseline_ref', '-')}"
         for name, case in data["cases"].items()
     )
     header = (
@@ -152,8 +157,9 @@ def main() -> None:
         "its processes' together (user and system), what a loaded machine's other work does not change. "
         f"The runs: {runs}."
     )
+    footer = "\n" + "".join(f"\n- {note}" for note in data.get("notes", [])) + "\n"
     columns = list(dict.fromkeys(column for row in rows for column in row))
-    print(write_results("plan_speed", rows, columns, header, "\n", data=data))
+    return write_results("plan_speed", rows, columns, header, footer, data=data)
 
 
 if __name__ == "__main__":
