@@ -257,7 +257,7 @@ def test_the_plans_table(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config().save_pretrained(tmp_path / "gpt2-124m")  # GPT-2 124M's config, named as the guide's
-    (block,) = [b for b in SHELL if "hf_lowzero.plan" in b.code and b.file.endswith("plan.md")][:1]
+    (block,) = [b for b in SHELL if "hf_lowzero.trainer.plan_cli" in b.code and b.file.endswith("plan.md")][:1]
     (command,) = _commands(block)
     command = command.replace("path/to/model_or_config.json", str(tmp_path / "gpt2-124m" / "config.json"))
     done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
@@ -273,7 +273,7 @@ def test_the_plan_without_a_device_size(tmp_path, capsys, monkeypatch):
     from transformers import GPT2Config
 
     from hf_lowzero.plan import devices
-    from hf_lowzero.plan.__main__ import main as plan_main
+    from hf_lowzero.trainer.plan_cli import main as plan_main
 
     GPT2Config().save_pretrained(tmp_path / "gpt2-124m")
     (block,) = [b for b in SHELL if b.directive.endswith("test_the_plan_without_a_device_size")]
@@ -288,7 +288,6 @@ def test_the_docstring_check_covers_every_public_module():
     """.ci/lint (the first step of .ci/run) checks the docstrings (ruff's D rules) of the modules that define
     the public names."""
     import inspect
-    import warnings
 
     import hf_lowzero
     import hf_lowzero.ray
@@ -298,9 +297,7 @@ def test_the_docstring_check_covers_every_public_module():
     public = {str(Path(inspect.getsourcefile(module)).relative_to(ROOT)) for module in modules}
     for module in modules:
         for name in module.__all__:
-            with warnings.catch_warnings():  # hf_lowzero.ray's deprecated aliases of the job's names
-                warnings.simplefilter("ignore", DeprecationWarning)
-                found = getattr(module, name)
+            found = getattr(module, name)
             public.add(str(Path(inspect.getsourcefile(found)).relative_to(ROOT)))
     assert "bash .ci/lint" in (ROOT / ".ci/run").read_text(), ".ci/run no longer runs .ci/lint"
     lint = (ROOT / ".ci/lint").read_text()

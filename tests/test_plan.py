@@ -18,12 +18,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from transformers import GPT2LMHeadModel
 
 from hf_lowzero import LowZeroTrainer, LowZeroTrainingArguments, plan_memory
-from hf_lowzero.plan.__main__ import main as plan_main
 from hf_lowzero.plan.measure import PlanCase, case_training, check_case, tiny_model_spec
 from hf_lowzero.plan.planner import parse_bytes
 from hf_lowzero.plan.simulate import Setup, simulate_step
 from hf_lowzero.plan.tracker import storage_bytes
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.trainer.plan_cli import main as plan_main
 from tests.hf_models import TokenDataset, tiny_gpt2
 
 # What the fast tier checks against real steps: DDP, and ZeRO with an 8-bit optimizer (whole-param

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hf_lowzero.plan.__main__ import main as plan_main
+from hf_lowzero.trainer.plan_cli import main as plan_main
 
 
 def test_a_config_json_that_is_not_json_gets_one_line(tmp_path, capsys):

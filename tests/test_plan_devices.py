@@ -1,4 +1,4 @@
-"""``python -m hf_lowzero.plan`` without ``--device-memory``: on a machine with a GPU, the plan for that
+"""``python -m hf_lowzero.trainer.plan_cli`` without ``--device-memory``: on a machine with a GPU, the plan for that
 GPU (only the device-size query is faked here); elsewhere every setup's peak and the smallest common
 device it fits, checked against the planner's own peaks."""
 
@@ -15,10 +15,10 @@ import torch
 
 from hf_lowzero import LowZeroTrainingArguments
 from hf_lowzero.plan import devices
-from hf_lowzero.plan.__main__ import main as plan_main
 from hf_lowzero.plan.devices import COMMON_DEVICES, GIB, plan_devices, smallest_device, this_gpu
 from hf_lowzero.plan.measure import tiny_model_spec
 from hf_lowzero.plan.request import RESERVE
+from hf_lowzero.trainer.plan_cli import main as plan_main
 
 MIB = 2**20
 ARGV = ["--world-size", "2", "--seq-len", "32", "--backend", "gloo", "--per_device_train_batch_size", "2"]

@@ -36,12 +36,22 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def kill_parent_and_check_child_gone(parent: subprocess.Popen, wait_for_child_s: float) -> None:
+def descendants_of(pid: int, depth: int) -> list[list[int]]:
+    """The children of ``pid``, their children, ... ``depth`` generations, one list per generation."""
+    generations = [children_of(pid)]
+    while len(generations) < depth:
+        generations.append([grandchild for kid in generations[-1] for grandchild in children_of(kid)])
+    return generations
+
+
+def kill_parent_and_check_child_gone(parent: subprocess.Popen, wait_for_child_s: float, depth: int = 1) -> None:
+    """Wait until ``parent`` has descendants ``depth`` generations down, kill it, and check they all die."""
     deadline = time.monotonic() + wait_for_child_s
-    while not (kids := children_of(parent.pid)):
+    while not all(generations := descendants_of(parent.pid, depth)):
         assert parent.poll() is None, f"the parent ended before starting its child: {parent.communicate()}"
-        assert time.monotonic() < deadline, "the parent started no child"
-        time.sleep(0.2)
+        assert time.monotonic() < deadline, f"the parent started no descendants {depth} generations down"
+        time.sleep(0.1)
+    kids = [pid for generation in generations for pid in generation]
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 10
@@ -78,5 +88,27 @@ def test_a_killed_plan_leaves_no_simulation_running(tmp_path):
     tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
     argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    plan = subprocess.Popen([sys.executable, "-m", "hf_lowzero.plan", *argv], env=env, stderr=subprocess.PIPE)
+    command = [sys.executable, "-m", "hf_lowzero.trainer.plan_cli", *argv]
+    plan = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
     kill_parent_and_check_child_gone(plan, wait_for_child_s=300)
+
+
+def test_a_killed_plan_in_two_processes_leaves_neither_running(tmp_path):
+    """A plan whose steps run in two fake-GPU processes ([Note: two processes for a large model] in
+    hf_lowzero/plan/simulations.py): killing the command takes the first, and the first the second."""
+    from hf_lowzero.plan.measure import tiny_model_spec
+    from hf_lowzero.plan.simulations import PROCESSES_ENV
+    from hf_lowzero.simulation.launch import FakeCudaUnavailable, fake_cuda_here, fake_cuda_library
+
+    if fake_cuda_here():
+        pytest.skip("this machine has CUDA: the plan simulates in its own process")
+    try:
+        fake_cuda_library()
+    except FakeCudaUnavailable as e:
+        pytest.skip(str(e))
+    tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{PROCESSES_ENV: "2"})
+    command = [sys.executable, "-m", "hf_lowzero.trainer.plan_cli", *argv]
+    plan = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    kill_parent_and_check_child_gone(plan, wait_for_child_s=300, depth=2)

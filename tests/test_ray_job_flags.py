@@ -121,9 +121,9 @@ def test_the_run_name_is_one_plain_folder_name(tmp_path, name, capsys):
     assert parse_args(["--storage-path", str(tmp_path), "--name", "run-2.b_c"])[2].name == "run-2.b_c"
 
 
-def test_the_job_lives_above_the_ray_library_whose_old_names_still_work():
-    """``hf_lowzero.ray`` never imports the job (``hf_lowzero.recipes.clm_ray``); the job's names it
-    used to export are deprecated aliases of the job's own."""
+def test_the_job_lives_above_the_ray_library_which_exports_none_of_its_names():
+    """``hf_lowzero.ray`` never imports the job (``hf_lowzero.recipes.clm_ray``), and the job's names it
+    used to export (deprecated aliases until issue 56) are the job's alone."""
     import subprocess
 
     probe = "import sys, hf_lowzero.ray; print(sorted(m for m in sys.modules if m.startswith('hf_lowzero.recipes')))"
@@ -134,11 +134,9 @@ def test_the_job_lives_above_the_ray_library_whose_old_names_still_work():
     from hf_lowzero.recipes import clm_ray
 
     for name in ("RayFinetuneConfig", "build_trainer", "run_finetune", "train_loop_per_worker"):
-        assert name in hf_lowzero.ray.__all__
-        with pytest.warns(DeprecationWarning, match=f"hf_lowzero.ray.{name} is deprecated"):
-            assert getattr(hf_lowzero.ray, name) is getattr(clm_ray, name)
-    with pytest.raises(AttributeError):
-        hf_lowzero.ray.no_such_name  # noqa: B018
+        assert name in clm_ray.__all__ and name not in hf_lowzero.ray.__all__
+        with pytest.raises(AttributeError):
+            getattr(hf_lowzero.ray, name)
 
 
 def test_reduction_flag(monkeypatch, capsys):

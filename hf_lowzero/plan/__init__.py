@@ -6,7 +6,7 @@ Example::
     plan = plan_memory("path/to/model", args, world_size=8, device_memory="80GiB", seq_len=2048)
     print(plan.to_text())
 
-or ``python -m hf_lowzero.plan --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
+or ``python -m hf_lowzero.trainer.plan_cli --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
 Without a device size: ``plan_devices`` (every setup's peak and the smallest common device it fits).
 """
 

@@ -1,6 +1,6 @@
 """The plan without a device size: this machine's GPU, or the smallest common device each setup fits.
 
-``python -m hf_lowzero.plan`` without ``--device-memory`` plans for GPU 0 of this machine when it
+``python -m hf_lowzero.trainer.plan_cli`` without ``--device-memory`` plans for GPU 0 of this machine when it
 has one (``this_gpu``); elsewhere it plans every setup's peak and names the smallest of the common
 device sizes (``COMMON_DEVICES``) that each fits (``plan_devices``, ``smallest_device``).
 

@@ -13,10 +13,8 @@ Your own model and data, on every worker of a ``ray.train.torch.TorchTrainer``::
 prints one line per step, ``InjectWorkerFailure`` kills a worker once (demos and tests),
 ``merge_run_config``, ``ReleaseSnapshots`` and ``ConsoleEvents`` build the ``RunConfig``. The
 causal-LM fine-tune job built from these pieces, ``run_finetune(RayFinetuneConfig(...))``
-(``ray_jobs/finetune.py``), is ``hf_lowzero.recipes.clm_ray``; its names here are deprecated aliases.
+(``ray_jobs/finetune.py``), is ``hf_lowzero.recipes.clm_ray``, above this package: import its names from there.
 """
-
-import warnings
 
 from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
 from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
@@ -33,34 +31,13 @@ __all__ = [
     "ConsoleProgress",
     "InjectWorkerFailure",
     "MemorySnapshots",
-    "RayFinetuneConfig",
     "RecordWorldSize",
     "ReleaseSnapshots",
     "ReportShardedCheckpoints",
     "accumulation_for_global_batch",
-    "build_trainer",
     "local_output_dir",
     "merge_run_config",
     "prepare_trainer",
     "quiet_worker_console",
     "resume_checkpoint",
-    "run_finetune",
-    "train_loop_per_worker",
 ]
-
-# The causal-LM job's names, which lived here before the job had a room of its own.
-_MOVED_TO_THE_JOB = ("RayFinetuneConfig", "build_trainer", "run_finetune", "train_loop_per_worker")
-
-
-def __getattr__(name: str):
-    # Deprecated aliases: the job imports this package, never the reverse, so it is imported only when asked for.
-    if name in _MOVED_TO_THE_JOB:
-        warnings.warn(
-            f"hf_lowzero.ray.{name} is deprecated: import it from hf_lowzero.recipes.clm_ray",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from hf_lowzero.recipes import clm_ray
-
-        return getattr(clm_ray, name)
-    raise AttributeError(f"module 'hf_lowzero.ray' has no attribute {name!r}")

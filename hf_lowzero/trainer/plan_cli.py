@@ -1,8 +1,11 @@
-"""``python -m hf_lowzero.plan``: print a memory plan for a model and Trainer arguments.
+"""``python -m hf_lowzero.trainer.plan_cli``: print a memory plan for a model and Trainer arguments.
+
+It parses the Trainer's flags, so it sits in ``trainer/``, above the plan it calls (``hf_lowzero.plan``
+imports nothing of the Trainer).
 
 Example::
 
-    python -m hf_lowzero.plan --model path/to/model_or_config.json --world-size 8 --device-memory 80GiB \
+    python -m hf_lowzero.trainer.plan_cli --model path/to/model_or_config.json --world-size 8 --device-memory 80GiB \
         --seq-len 2048 --bf16 --per_device_train_batch_size 4 --optim adamw_torch_fused [--lora-r 16]
 
 Flags after the plan's own are ``TrainingArguments`` flags (``LowZeroTrainingArguments``: the
@@ -23,7 +26,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hf_lowzero.plan",
+        prog="python -m hf_lowzero.trainer.plan_cli",
         description="Which ZeRO setup fits, with what batch: simulated for your model and Trainer arguments.",
         epilog="Other flags are TrainingArguments flags (--bf16, --optim, --per_device_train_batch_size, "
         "--gradient_checkpointing, --gradient_accumulation_steps, --zero_config, ...).",
