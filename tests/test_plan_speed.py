@@ -81,6 +81,7 @@ def test_the_number_of_processes_is_one_or_two_and_a_wrong_setting_says_so(monke
         plan_processes(10**11)
 
 
+@pytest.mark.slow  # two plans of a GPT-2 in fake-GPU processes: 14 s
 def test_two_processes_give_the_plan_of_one(monkeypatch):
     """Every figure of every row, the recommendation and its checked batch: the same in one process or two."""
     try:

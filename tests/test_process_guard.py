@@ -93,6 +93,7 @@ def test_a_killed_plan_leaves_no_simulation_running(tmp_path):
     kill_parent_and_check_child_gone(plan, wait_for_child_s=300)
 
 
+@pytest.mark.slow  # the one-process plan above stays in the fast tier; the same guard ties both
 def test_a_killed_plan_in_two_processes_leaves_neither_running(tmp_path):
     """A plan whose steps run in two fake-GPU processes ([Note: two processes for a large model] in
     hf_lowzero/plan/simulations.py): killing the command takes the first, and the first the second."""

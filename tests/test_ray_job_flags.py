@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import slow
+
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +190,8 @@ def test_the_driver_refuses_what_the_workers_would_in_one_line(argv, message, tm
     assert list(tmp_path.iterdir()) == []  # no storage or run folder made
 
 
-@pytest.mark.parametrize("argv", [BAD_FLAGS[0][0], BAD_FLAGS[1][0]], ids=["zero_config", "optim"])
+# The second flag through the script is the slow tier's: the driver's check is the same call for both.
+@pytest.mark.parametrize("argv", [BAD_FLAGS[0][0], slow(BAD_FLAGS[1][0])], ids=["zero_config", "optim"])
 def test_the_job_script_refuses_a_bad_flag_before_ray_starts(argv, tmp_path):
     """The real entry: exit status 2, one error line naming the flag, and no Ray instance (none of
     its session files under RAY_TMPDIR, nothing of its start-up printed)."""
