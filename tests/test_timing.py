@@ -5,12 +5,18 @@ model gives, and the sequence a simulated step records.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from hf_lowzero.timing import Costs, Program, Target, find_device, parse_bandwidth, schedule
+from hf_lowzero.plan.measure import PlanCase, case_training, tiny_model_spec
+from hf_lowzero.plan.simulate import simulate_step
+from hf_lowzero.plan.step_records import Setup
+from hf_lowzero.timing import Costs, Program, Target, calibrate, find_device, parse_bandwidth, schedule
 from hf_lowzero.timing.costs import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from hf_lowzero.timing.counting import OpWork, op_work
+from hf_lowzero.trainer.plan_cli import main as plan_main
 
 H100 = Target.of("H100", gpus_per_node=4, inter_node="100Gb/s")
 
@@ -111,3 +117,68 @@ def test_devices_and_bandwidths_are_read_or_refused_clearly():
         Target.of("H100", inter_node="fast")
     with pytest.raises(ValueError, match="gpus_per_node must be at least 1"):
         Target.of("H100", gpus_per_node=0)
+
+
+# A machine of fixed figures for `--device cpu` (the calibration's cache, written by the test): the
+# plan's times are then the same wherever the test runs.
+FIXED_CPU = {
+    "cpu": "test",
+    "threads": 2,
+    "matmul_fp32": [50e9, 90e9],
+    "matmul_bf16": [100e9, 180e9],
+    "bandwidth": [8e9, 12e9],
+    "dispatch_s": 10e-6,
+    "gloo_latency_s": 100e-6,
+    "gloo_bandwidth": 1e9,
+}
+
+
+@pytest.fixture
+def fixed_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path / "cache"))
+    path = calibrate.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(FIXED_CPU))
+    return calibrate.device_from(FIXED_CPU)
+
+
+def test_the_plan_prints_its_time_columns_as_json_from_the_rows_of_its_table(fixed_cpu, tmp_path, capsys):
+    tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device", "cpu"]
+    flags = ["--device-memory", "1GiB", "--host-threads", "1", "--bf16", "--per_device_train_batch_size", "2"]
+    assert plan_main([*argv, *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {(r["stage"], r["offload"]): r for r in plan["rows"]}
+    assert set(rows) == {(0, False), (1, False), (1, True), (2, False), (2, True)}
+    for row in rows.values():
+        assert {"setup", "fits", "peak_bytes", "step_time_s", "tokens_per_s", "comm_hidden", "mfu"} <= set(row)
+        assert row["tokens_per_s"] == pytest.approx(2 * 32 / row["step_time_s"])
+    assert rows[(1, False)]["step_time_s"] == rows[(2, False)]["step_time_s"]  # one micro-batch: the same code
+    fastest = min((r for r in plan["rows"] if r["fits"]), key=lambda r: r["step_time_s"])
+    assert plan["recommended"]["step_time_s"] <= fastest["step_time_s"] * 1.01  # within the 1% ties
+    assert plan["timed_for"]["device"] == "cpu" and plan["timed_for"]["host_threads"] == 1
+
+    assert plan_main([*argv, *flags]) == 0  # the table: the same rows, the same times
+    table = capsys.readouterr().out.split("Time on 2 x cpu")[1].splitlines()
+    for row in plan["rows"]:
+        line = next(x for x in table if x.startswith(row["setup"] + "  "))
+        assert f"{row['step_time_s'] * 1e3:.3g} ms" in line and f"{row['tokens_per_s']:,.0f}" in line
+
+
+def test_a_step_of_more_tokens_takes_longer_and_stage_2_reduce_scatters_its_gradients(fixed_cpu):
+    spec, training = tiny_model_spec("gpt2"), case_training(PlanCase(bf16=True, batch_size=2))
+    costs = Costs(Target.of("cpu", host_threads=1))
+
+    def step(setup, seq_len):
+        return simulate_step(spec, training, setup, 2, 2, seq_len, backend="gloo")
+
+    short, long = step(Setup(2), 16), step(Setup(2), 64)
+    assert schedule(long.program, costs).step_time().seconds > schedule(short.program, costs).step_time().seconds
+    sent = [s[3] for s in short.program.steps if s[0] == "run" and s[2] == "collective"]
+    params = sum(p.numel() for p in spec.build(torch.bfloat16).parameters())
+    reduce_scatters = [nbytes for op, nbytes, group in sent if op == "reduce_scatter"]
+    # one bucket of bf16 gradients, padded to the world size per param; then the params gathered back
+    assert reduce_scatters and sum(reduce_scatters) == pytest.approx(2 * params, rel=0.01)
+    assert {op for op, _, group in sent} == {"reduce_scatter", "all_gather"} and {g for *_, g in sent} == {2}
+    ddp = [s[3] for s in step(Setup(0), 16).program.steps if s[0] == "run" and s[2] == "collective"]
+    assert [op for op, *_ in ddp] == ["all_reduce"] and ddp[0][1] == 4 * params  # DDP's fp32 gradients

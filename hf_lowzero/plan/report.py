@@ -217,7 +217,7 @@ def time_table(plan: MemoryPlan) -> list[str]:
         links += f", {t['inter_node_bytes_per_s'] / 1e9:.4g} GB/s between nodes"
     title = (
         f"Time on {plan.world_size} x {t['device']} ({min(plan.world_size, t['gpus_per_node'])} per node, {links}; "
-        f"{t['host_threads']} host threads per rank): the simulated step, priced and scheduled (docs/plan.md)"
+        f"{t['host_threads']} host thread(s) per rank): the simulated step, priced and scheduled (docs/plan.md)"
     )
     table = [["setup", "step time", "tokens/s/device", "MFU", "comm hidden", "host part"]]
     for r in plan.rows:

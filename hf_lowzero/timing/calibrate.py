@@ -39,7 +39,7 @@ SECONDS_PER_FIGURE = 0.4
 
 def cpu_device() -> Device:
     """This machine as a ``Device`` (see the module docstring)."""
-    path = _cache_path()
+    path = cache_path()
     if path.is_file():
         measured = json.loads(path.read_text())
     else:
@@ -182,7 +182,8 @@ def _in_threads(fn) -> None:
         thread.join()
 
 
-def _cache_path() -> Path:
+def cache_path() -> Path:
+    """Where this machine's figures are kept (see the module docstring)."""
     key = f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "hf_lowzero")) / f"timing_cpu_{tag}.json"
