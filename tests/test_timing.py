@@ -101,11 +101,12 @@ def test_an_op_counts_its_flops_and_bytes():
     a, b = torch.ones(16, 32, dtype=torch.bfloat16), torch.ones(32, 8, dtype=torch.bfloat16)
     out = a @ b
     work = op_work(torch.ops.aten.mm.default, (a, b), {}, out)
-    assert work == OpWork(
-        flops=2 * 16 * 32 * 8, nbytes=(16 * 32 + 32 * 8 + 16 * 8) * 2, matmul_dtype="bf16", launches=True
-    )
+    nbytes = (16 * 32 + 32 * 8 + 16 * 8) * 2
+    assert (work.flops, work.nbytes, work.matmul_dtype, work.launches) == (2 * 16 * 32 * 8, nbytes, "bf16", True)
     view = op_work(torch.ops.aten.view.default, (a, [32, 16]), {}, a.view(32, 16))
     assert not view.launches
+    assert not op_work(torch.ops.prim.device.default, (a,), {}, a.device).launches  # a query
+    assert op_work(torch.ops.aten._foreach_add_.Scalar, ([a], 1.0), {}, None).launches  # in place, returns nothing
 
 
 def test_devices_and_bandwidths_are_read_or_refused_clearly():

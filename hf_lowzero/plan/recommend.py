@@ -40,7 +40,7 @@ def plan_row(
         fits=room >= 0 and fits_host,
         headroom_bytes=room,
         max_batch_size=max_batch,
-        **timing.columns(step),
+        **timing.columns(step, setup),
     )
 
 

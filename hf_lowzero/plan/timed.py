@@ -14,7 +14,7 @@ and schedules it for the plan's ``Target``. A row gets:
 Example::
 
     timing = StepTiming(Target.of("H100"), training, tokens=batch * seq_len)
-    timing.columns(step)          # {"step_time_s": ..., "tokens_per_s": ..., "mfu": ..., ...}
+    timing.columns(step, setup)   # {"step_time_s": ..., "tokens_per_s": ..., "mfu": ..., ...}
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hf_lowzero.plan.step_records import StepMemory, TrainingSpec
+from hf_lowzero.plan.step_records import Setup, StepMemory, TrainingSpec
 from hf_lowzero.timing.costs import Costs
 from hf_lowzero.timing.devices import Target
 from hf_lowzero.timing.schedule import schedule
@@ -36,16 +36,18 @@ class StepTiming:
 
     def __init__(self, target: Target, training: TrainingSpec, tokens: int) -> None:
         self.target = target
-        self.costs = Costs(target)
         self.tokens = tokens * training.gradient_accumulation_steps
         sixteen = training.dtype in (torch.float16, torch.bfloat16)
+        self.costs = Costs(target)
+        self.autocast_costs = Costs(target, autocast=sixteen)  # [Note: autocast on fake GPUs] in timing/costs.py
         self.peak_flops = target.device.matmul_flops["bf16" if sixteen else "fp32"]
 
-    def columns(self, step: StepMemory) -> dict[str, Any]:
+    def columns(self, step: StepMemory, setup: Setup) -> dict[str, Any]:
         """The row's time columns ([Note: the plan's time]); all None for a step not recorded (a real one)."""
         if step.program is None:
             return dict.fromkeys(TIME_COLUMNS)
-        time = schedule(step.program, self.costs).step_time()
+        on_fake_gpu = step.device == "cuda" and setup.stage == 0
+        time = schedule(step.program, self.autocast_costs if on_fake_gpu else self.costs).step_time()
         return {
             "step_time_s": time.seconds,
             "tokens_per_s": self.tokens / time.seconds,

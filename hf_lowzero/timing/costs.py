@@ -22,6 +22,12 @@ Example::
 # - On ``cpu`` every op is the host's, at the rates ``calibrate.py`` measured at one thread and at
 #   all (efficiency 1; in between, linear up to all's), and a collective is gloo's measured latency
 #   and bandwidth.
+
+# [Note: autocast on fake GPUs]
+# The plain Trainer's row (stage 0) trains fp32 params under 16-bit autocast. On a GPU, autocast
+# runs its matmuls in 16 bits; on the fake GPUs of a CPU-only torch, ``torch.autocast("cuda")`` is
+# disabled (no CUDA) and they run in fp32. ``Costs(autocast=True)`` prices fp32 matmuls at the
+# 16-bit rate for that row; the bytes of the ops around them stay fp32's (an overestimate).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ ALGORITHM_BYTES = {
 class Costs:
     """Seconds for each kind of work on ``target`` ([Note: the cost model])."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, autocast: bool = False) -> None:
         self.target = target
         device = target.device
         threads = target.host_threads
@@ -60,6 +66,8 @@ class Costs:
         else:
             self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
             self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
+            if autocast:  # [Note: autocast on fake GPUs]
+                self.matmul["fp32"] = self.matmul["bf16"]
             self.host_flops = device.host_flops_per_thread * threads
             self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
 

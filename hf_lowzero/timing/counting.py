@@ -4,8 +4,8 @@
   formulas (``torch.utils.flop_counter``), in the dtype they run in.
 - Every op counts the bytes of its tensor inputs and outputs (the elements its views cover, each
   once): what a kernel reads and writes, at least.
-- Views, metadata queries and allocations launch no kernel (``launches`` False): they cost the host
-  its dispatch only.
+- Views, queries (an op that returns no tensor and writes none: ``prim.device``) and allocations
+  launch no kernel (``launches`` False): they cost the host its dispatch only.
 
 Example::
 
@@ -43,14 +43,16 @@ class OpWork:
     nbytes: int
     matmul_dtype: str
     launches: bool
+    name: str = ""  # the op's name (aten's), for a look at where the time goes
 
 
 def op_work(func, args, kwargs, out) -> OpWork:
     """The work of ``func(*args, **kwargs)`` that returned ``out`` (see the module docstring)."""
     packet = getattr(func, "overloadpacket", None)
-    if packet in _NO_KERNEL or _is_view(func):
-        return OpWork(0.0, 0, "fp32", launches=False)
-    tensors = _tensors(args) + _tensors(list(kwargs.values())) + _tensors([out])
+    outputs = _tensors([out])
+    if packet in _NO_KERNEL or _is_view(func) or (not outputs and not _writes(func)):  # a query: prim.device
+        return OpWork(0.0, 0, "fp32", launches=False, name=str(packet))
+    tensors = _tensors(args) + _tensors(list(kwargs.values())) + outputs
     nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
     flops = 0.0
     counter = flop_registry.get(packet)
@@ -58,12 +60,18 @@ def op_work(func, args, kwargs, out) -> OpWork:
         flops = float(counter(*args, **kwargs, out_val=out))
     floats = [t.dtype for t in tensors if t.is_floating_point()]
     sixteen = any(d in (torch.float16, torch.bfloat16) for d in floats)
-    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True)
+    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True, name=str(packet))
 
 
 def is_collective_op(func) -> bool:
     """Whether ``func`` is a ``c10d`` collective as the dispatcher sees it (``c10d.allreduce_``)."""
     return getattr(func, "namespace", "") == "c10d"
+
+
+def _writes(func) -> bool:
+    """Whether ``func`` writes one of its arguments (an in-place op, ``out=``, ``_foreach_add_``)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _is_view(func) -> bool:

@@ -210,7 +210,7 @@ def _with_cpu_attention(func, args, kwargs, out, work: OpWork) -> OpWork:
     else:
         query, key, value = args[:3]
         flops = sdpa_flop_count(query.shape, key.shape, value.shape)
-    return OpWork(float(flops), work.nbytes, work.matmul_dtype, work.launches)
+    return OpWork(float(flops), work.nbytes, work.matmul_dtype, work.launches, work.name)
 
 
 def _tensors(args, kwargs, out) -> list[torch.Tensor]:
