@@ -186,8 +186,9 @@ def _run(simulated: SimulatedStep, recorder: StepRecorder | None) -> StepMemory:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         sent_before = sum(comm.comm_stats.sent_bytes.values())
-        with timing.ddp_all_reduces(trainable, world_size) if ddp_buckets else contextlib.nullcontext():
-            step.forward_backward(batch, reference)
+        # DDP's all-reduces, in the last micro-batch's backward (the others run under no_sync)
+        ddp = (lambda: timing.ddp_all_reduces(trainable, world_size)) if ddp_buckets else contextlib.nullcontext
+        step.forward_backward(batch, reference, last=ddp)
         grads_at_peak = tracker.peak_snapshot().get("Gradient", 0)
         all_grads = storage_bytes(p.grad for p in trainable if p.grad is not None)
         step.update(fake)
@@ -283,10 +284,12 @@ class _Step:
                     p.grad = torch.zeros_like(p)
             self.update(fake)
 
-    def forward_backward(self, batch, reference) -> None:
+    def forward_backward(self, batch, reference, last=contextlib.nullcontext) -> None:
+        """Every micro-batch's forward and backward; the last one's within ``last()``."""
         steps = self.training.gradient_accumulation_steps
         for micro in range(steps):
-            with _no_sync(self.opt, self.runner, last=micro == steps - 1):
+            synced = last() if micro == steps - 1 else contextlib.nullcontext()
+            with _no_sync(self.opt, self.runner, last=micro == steps - 1), synced:
                 if reference is not None:
                     with torch.no_grad():
                         reference(**batch)
