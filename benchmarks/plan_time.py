@@ -169,9 +169,13 @@ def plot(rows: list[dict], path: Path) -> None:
         pts = [(r["measured_ms"], r["predicted_ms"]) for r in rows if r["W"] == w]
         if pts:
             ax.scatter(*zip(*pts), marker=marker, label=f"W={w}")
-    top = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.1
-    ax.plot([0, top], [0, top], color="black", linewidth=1, label="predicted = measured")
-    ax.fill_between([0, top], [0, 0.8 * top], [0, 1.2 * top], color="gray", alpha=0.15, label="within 20%")
+    low = min(min(r["measured_ms"], r["predicted_ms"]) for r in rows) / 1.5
+    top = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.5
+    ax.plot([low, top], [low, top], color="black", linewidth=1, label="predicted = measured")
+    ax.fill_between([low, top], [0.8 * low, 0.8 * top], [1.2 * low, 1.2 * top], color="gray", alpha=0.15,
+                    label="within 20%")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("measured ms per step (LowZeroTrainer)")
     ax.set_ylabel("predicted ms per step (the plan, --device cpu)")
     ax.legend()
