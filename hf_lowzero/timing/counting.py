@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,19 +49,26 @@ class OpWork:
 
 def op_work(func, args, kwargs, out) -> OpWork:
     """The work of ``func(*args, **kwargs)`` that returned ``out`` (see the module docstring)."""
-    packet = getattr(func, "overloadpacket", None)
+    name, no_kernel, writes, counter = _kind(func)
     outputs = _tensors([out])
-    if packet in _NO_KERNEL or _is_view(func) or (not outputs and not _writes(func)):  # a query: prim.device
-        return OpWork(0.0, 0, "fp32", launches=False, name=str(packet))
+    if no_kernel or (not outputs and not writes):  # a view, an allocation, a query (prim.device)
+        return OpWork(0.0, 0, "fp32", launches=False, name=name)
     tensors = _tensors(args) + _tensors(list(kwargs.values())) + outputs
     nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
     flops = 0.0
-    counter = flop_registry.get(packet)
     if counter is not None:
         flops = float(counter(*args, **kwargs, out_val=out))
     floats = [t.dtype for t in tensors if t.is_floating_point()]
     sixteen = any(d in (torch.float16, torch.bfloat16) for d in floats)
-    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True, name=str(packet))
+    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True, name=name)
+
+
+@functools.cache
+def _kind(func) -> tuple[str, bool, bool, object]:
+    """What an op is, read once from its schema: its name, whether it launches no kernel, whether it
+    writes an argument, and torch's FLOP formula for it (or None)."""
+    packet = getattr(func, "overloadpacket", None)
+    return str(packet), packet in _NO_KERNEL or _is_view(func), _writes(func), flop_registry.get(packet)
 
 
 def is_collective_op(func) -> bool:

@@ -99,14 +99,17 @@ class StepRecorder(TorchDispatchMode):
             if self.ops is None:  # CPU ranks: the host issues it and waits (gloo, [Note: the step's own sequence])
                 self._collective_on_host(func, args, out)
             return  # on fake GPUs the NCCL stand-in reports it (collective below)
-        work = _with_cpu_attention(func, args, kwargs, out, op_work(func, args, kwargs, out))
+        work = op_work(func, args, kwargs, out)
+        if work.name in _CPU_ATTENTION:
+            work = _with_cpu_attention(args, work)
         steps = self.program.steps
-        cuda = [t for t in _tensors(args, kwargs, out) if t.device.type == "cuda"]
-        if self.ops is None or not cuda:
+        tensors = _tensors(args, kwargs, out) if self.ops is not None else []
+        cuda = [t for t in tensors if t.device.type == "cuda"]
+        if not cuda:
             steps.append(("run", HOST, "host", work))
             return
         stream = self.ops.current_stream(cuda[0].device).name
-        host = [t for t in _tensors(args, kwargs, out) if t.device.type == "cpu" and t.dim() > 0]
+        host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
         if not host:
             steps.append(("run", stream, "kernel", work))
             return
@@ -196,15 +199,15 @@ _C10D_NAMES = {
     "allgather_into_tensor_coalesced": "all_gather",
     "alltoall_base": "all_to_all",
 }
-_CPU_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+_CPU_ATTENTION = {
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+}
 
 
-def _with_cpu_attention(func, args, kwargs, out, work: OpWork) -> OpWork:
+def _with_cpu_attention(args, work: OpWork) -> OpWork:
     """The CPU's flash attention, which torch's FLOP formulas do not list: counted as the GPU's."""
-    name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
-    if name not in _CPU_ATTENTION:
-        return work
-    if name.endswith("backward"):
+    if work.name.endswith("backward"):
         grad_out, query, key, value = args[:4]
         flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
     else:
