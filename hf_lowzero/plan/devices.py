@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from hf_lowzero.plan.planner import plan_memory
-from hf_lowzero.plan.report import SIMULATED_ON, MemoryPlan, PlanRow, format_bytes, format_table, headline
+from hf_lowzero.plan.report import SIMULATED_ON, MemoryPlan, PlanRow, format_bytes, format_table, headline, time_table
 from hf_lowzero.plan.request import RESERVE
 from hf_lowzero.plan.simulate import PARTS
+from hf_lowzero.plan.timed import TIME_COLUMNS
 
 GIB = 2**30
 COMMON_DEVICES = tuple(n * GIB for n in (16, 24, 40, 48, 80, 141))  # T4/V100, L4/A10, A100 40G, L40S, A100/H100, H200
@@ -92,9 +93,10 @@ class DeviceFits:
     def to_dict(self) -> dict[str, Any]:
         """The peaks and smallest devices as plain data, for JSON."""
         keep = ("model", "total_params", "trainable_params", "world_size", "host_memory", "ranks_per_node")
-        keep += ("batch_size", "seq_len", "training", "simulated_on")
+        keep += ("batch_size", "seq_len", "training", "simulated_on", "timed_for")
         rows = [
             {
+                "setup": r.label,
                 "label": r.label,
                 "stage": r.stage,
                 "offload": r.offload,
@@ -105,6 +107,7 @@ class DeviceFits:
                 "sent_bytes_per_step": r.sent_bytes_per_step,
                 "fits_host": self.fits_host(r),
                 "smallest_device_bytes": self.smallest[r.label],
+                **{name: getattr(r, name) for name in TIME_COLUMNS},
             }
             for r in self.plan.rows
         ]
@@ -140,6 +143,7 @@ class DeviceFits:
                 ]
             )
         lines += format_table(table)
+        lines += time_table(plan)
         lines += ["", "--device-memory SIZE plans one size: which setup fits it, with what headroom and largest batch."]
         return "\n".join(lines)
 

@@ -2,8 +2,9 @@
 
 Example::
 
-    with step_world(step):          # step: a SimulatedStep
-        ...                         # build the model and run the step, as rank step.rank of step.world_size
+    with step_world(step) as recorder:   # step: a SimulatedStep
+        ...                              # build the model and run the step, as rank step.rank of step.world_size
+        recorder.start()                 # a StepRecorder on fake tensors (hf_lowzero.timing), None on real ones
 
 [Note: planning on fake GPUs] is in ``simulate.py``.
 """
@@ -17,27 +18,33 @@ import torch
 import torch.distributed as dist
 
 from hf_lowzero.plan.step_records import SimulatedStep
+from hf_lowzero.timing.record import StepRecorder
 from hf_lowzero.zero.runtime import comm
 
 
 @contextlib.contextmanager
-def step_world(step: SimulatedStep) -> Iterator[None]:
+def step_world(step: SimulatedStep) -> Iterator[StepRecorder | None]:
     """Where ``step`` runs: a real step in the caller's process group and tensors; a fake one on
     its fake GPU (``step.device``) or on fake CPU tensors, under ``FakeTensorMode``, on a fake
-    process group that stands for ``step.backend``."""
+    process group that stands for ``step.backend``. A fake one yields the ``StepRecorder`` that
+    times it ([Note: the step's own sequence] in hf_lowzero/timing/record.py), recording once started."""
     if not step.fake:
-        yield
+        yield None
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if step.device is not None:
         from hf_lowzero.simulation.attention import gpu_attention
 
-        with _fake_gpu_world(step.world_size, step.rank, step.device), FakeTensorMode(), gpu_attention():
-            yield
+        with _fake_gpu_world(step.world_size, step.rank, step.device) as ops, FakeTensorMode(), gpu_attention():
+            recorder = StepRecorder(ops)
+            ops.observer = recorder
+            with recorder:
+                yield recorder
     else:
-        with _fake_world(step.world_size, step.rank), comm.fake_group_stands_for(step.backend), FakeTensorMode():
-            yield
+        stands_for = comm.fake_group_stands_for(step.backend)
+        with _fake_world(step.world_size, step.rank), stands_for, FakeTensorMode(), StepRecorder() as recorder:
+            yield recorder
 
 
 @contextlib.contextmanager
@@ -51,7 +58,7 @@ def _fake_gpu_world(world_size: int, rank: int, device: torch.device):
     checker = AccessChecker()
     ops = FakeCudaOps(checker, device)
     with simulated_world(world_size, rank, device, checker, ops), dev.use_ops(ops), ops.on_device(device):
-        yield
+        yield ops
 
 
 @contextlib.contextmanager

@@ -55,7 +55,9 @@ from hf_lowzero.plan.request import RESERVE, PlanRequest
 from hf_lowzero.plan.request import parse_bytes as parse_bytes
 from hf_lowzero.plan.simulations import Simulations, plan_processes
 from hf_lowzero.plan.step_records import Setup, StepMemory, TrainingSpec
+from hf_lowzero.plan.timed import StepTiming
 from hf_lowzero.simulation.launch import FakeCudaUnavailable, call_on_fake_gpus, fake_cuda_here
+from hf_lowzero.timing.devices import Target
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ def plan_memory(
     ref_model: bool = False,
     reserve: float = RESERVE,
     backend: str | None = None,
+    target: str | dict[str, Any] | None = None,
 ) -> MemoryPlan:
     """Plan the memory of training ``model_or_config`` with ``args`` on ``world_size`` devices of
     ``device_memory`` each (see the module docstring).
@@ -112,6 +115,11 @@ def plan_memory(
         reserve: The fraction of device memory kept for the CUDA context and fragmentation, in [0, 1).
         backend: The planned run's collectives backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPU); None:
             ``"gloo"`` when ``args.use_cpu``, else ``"nccl"``.
+        target: What each setup's step is timed for ([Note: the plan's time] in ``recommend.py``): a
+            device's name (``"H100"``, ``"A100-80GB"``, ``"cpu"``, ... ``hf_lowzero.timing.DEVICES``) or
+            a dict of ``hf_lowzero.timing.Target.of``'s keywords (``device``, ``gpus_per_node``,
+            ``intra_node``, ``inter_node``, ``host_threads``); None: this machine's GPU when the table
+            knows it, else H100, for GPUs, and ``"cpu"`` (this machine, measured) for gloo.
 
     Returns:
         The plan: a row per setup, the recommended one (or None) and the reason.
@@ -133,6 +141,7 @@ def plan_memory(
         ref_model=ref_model,
         reserve=reserve,
         backend=backend,
+        target=target,
     )
     spec = ModelSpec.from_source(model_or_config, lora_r=lora_r, lora_targets=lora_targets)
     if request.backend == "nccl" and not fake_cuda_here():
@@ -167,7 +176,10 @@ def plan_memory(
     for zero, setup in ((False, Setup(0)), (True, Setup(2))):
         slopes[zero] = max(1, found[setup, batch + 1].peak - steps[setup].peak)
     host_per_rank = request.host_memory // request.ranks_per_node if request.host_memory is not None else None
-    rows = [plan_row(setup, steps[setup], usable, host_per_rank, batch, slopes[setup.stage > 0]) for setup in SETUPS]
+    timing = StepTiming(Target.of(**request.target), training, batch * seq_len)
+    rows = [
+        plan_row(setup, steps[setup], usable, host_per_rank, batch, slopes[setup.stage > 0], timing) for setup in SETUPS
+    ]
     plan = MemoryPlan(
         model=spec.name,
         total_params=counts[0],
@@ -184,6 +196,7 @@ def plan_memory(
         recommended=None,
         reason="",
         simulated_on=steps[Setup(2)].device,
+        timed_for=timing.target.describe(),
     )
     recommend(plan)
     if plan.recommended is not None and plan.recommended.max_batch_size != batch:

@@ -55,6 +55,11 @@ class PlanRow:
         fits: Whether the peak fits the usable device memory (and, if checked, the host memory).
         headroom_bytes: Usable device memory minus the peak (negative: the shortfall).
         max_batch_size: The largest per-device batch whose peak fits; 0: not even one sample.
+        step_time_s: The predicted time of one optimizer step ([Note: the plan's time] in ``timed.py``).
+        tokens_per_s: Tokens one device trains per second.
+        mfu: Matmul FLOPs per second over the device's peak for the training dtype.
+        comm_hidden: The share of the collectives' time overlapped with other work; None: none sent.
+        host_s: The host's own work in one step (offload's optimizer step).
     """
 
     stage: int
@@ -69,6 +74,11 @@ class PlanRow:
     fits: bool
     headroom_bytes: int
     max_batch_size: int  # largest per-device batch whose peak fits; 0: not even one sample
+    step_time_s: float | None = None  # the time columns: None where the step was not timed (a real one)
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    comm_hidden: float | None = None
+    host_s: float | None = None
 
 
 @dataclass
@@ -111,6 +121,7 @@ class MemoryPlan:
     reason: str
     checked_batch: dict[str, int] = field(default_factory=dict)
     simulated_on: str = "cpu"  # "cuda": fake GPUs, the GPU code paths ([Note: planning on fake GPUs])
+    timed_for: dict[str, Any] = field(default_factory=dict)  # the Target the times are for (Target.describe)
 
     def row(self, stage: int, offload: bool = False) -> PlanRow:
         """The row of one setup.
@@ -133,7 +144,11 @@ class MemoryPlan:
         Returns:
             The plan's fields by name.
         """
-        return asdict(self)
+        plain = asdict(self)
+        for row in [*plain["rows"], plain["recommended"]]:
+            if row is not None:
+                row["setup"] = row["label"]
+        return plain
 
     def to_text(self) -> str:
         """The plan as a table and the recommendation, for a console (see :func:`render`).
@@ -183,12 +198,46 @@ def render(plan: MemoryPlan) -> str:
             ]
         )
     lines += format_table(table)
+    lines += time_table(plan)
     lines.append("")
     choice = plan.recommended
     lines.append(
         f"Recommended: {choice.label} ({plan.reason})" if choice is not None else f"Nothing fits: {plan.reason}"
     )
     return "\n".join(lines)
+
+
+def time_table(plan: MemoryPlan) -> list[str]:
+    """The rows' time columns as lines (a blank line, a title, the table); none when untimed."""
+    if not plan.timed_for or all(r.step_time_s is None for r in plan.rows):
+        return []
+    t = plan.timed_for
+    links = f"{t['intra_node_bytes_per_s'] / 1e9:.4g} GB/s in a node"
+    if plan.world_size > t["gpus_per_node"]:
+        links += f", {t['inter_node_bytes_per_s'] / 1e9:.4g} GB/s between nodes"
+    title = (
+        f"Time on {plan.world_size} x {t['device']} ({min(plan.world_size, t['gpus_per_node'])} per node, {links}; "
+        f"{t['host_threads']} host thread(s) per rank): the simulated step, priced and scheduled (docs/plan.md)"
+    )
+    table = [["setup", "step time", "tokens/s/device", "MFU", "comm hidden", "host part"]]
+    for r in plan.rows:
+        table.append(
+            [
+                r.label + (f" [{r.partition}]" if r.partition == "params" else ""),
+                _seconds(r.step_time_s),
+                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
+                f"{r.mfu:.1%}" if r.mfu is not None else "-",
+                f"{r.comm_hidden:.0%}" if r.comm_hidden is not None else "-",
+                _seconds(r.host_s) if r.offload and r.host_s is not None else "-",
+            ]
+        )
+    return ["", title, "", *format_table(table)]
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
 def headline(plan: MemoryPlan) -> str:

@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 RESERVE = 0.10  # of device memory, kept for what is not a tensor: CUDA context, allocator fragmentation
@@ -49,6 +49,8 @@ class PlanRequest:
     ref_model: bool
     reserve: float
     backend: str
+    # what the steps are timed for: ``Target.of``'s keywords (hf_lowzero.timing), the device named
+    target: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -63,6 +65,7 @@ class PlanRequest:
         ref_model: bool = False,
         reserve: float = RESERVE,
         backend: str | None = None,
+        target: str | dict[str, Any] | None = None,
     ) -> PlanRequest:
         """The request for ``args`` (``TrainingArguments`` or None) and ``plan_memory``'s keyword
         arguments, each as documented there; raises ``ValueError`` naming an invalid one."""
@@ -81,6 +84,7 @@ class PlanRequest:
             raise ValueError(
                 f"backend={backend!r} is invalid; expected 'nccl' (GPUs), 'gloo' (CPU) or None (from the arguments)"
             )
+        backend = backend or planned_backend(args)
         return cls(
             world_size=world_size,
             device_memory=parse_bytes(device_memory, "device_memory"),
@@ -89,8 +93,27 @@ class PlanRequest:
             ranks_per_node=ranks_per_node,
             ref_model=bool(ref_model),
             reserve=reserve,
-            backend=backend or planned_backend(args),
+            backend=backend,
+            target=timing_target(target, backend),
         )
+
+
+def timing_target(target: str | dict[str, Any] | None, backend: str) -> dict[str, Any]:
+    """``Target.of``'s keywords for ``target`` (a device's name, or the keywords), checked; None: this
+    machine's GPU when the table knows it, else an H100, for GPUs; ``"cpu"`` (this machine) for gloo."""
+    from hf_lowzero.timing.devices import Target, default_device
+
+    if target is None:
+        target = {"device": default_device(backend)}
+    elif isinstance(target, str):
+        target = {"device": target}
+    elif not isinstance(target, dict) or "device" not in target:
+        raise ValueError(
+            f"target={target!r} is invalid; expected a device's name (such as 'H100' or 'cpu') or a dict of "
+            "Target.of's keywords with 'device'"
+        )
+    Target.of(**{k: v for k, v in target.items() if k != "device"}, device=target["device"])  # checks it now
+    return dict(target)
 
 
 def planned_backend(args: Any) -> str:

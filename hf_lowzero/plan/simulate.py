@@ -66,6 +66,7 @@ from hf_lowzero.plan.models import ModelSpec
 from hf_lowzero.plan.state_probe import StateProbe, runs_under_fake_tensors
 from hf_lowzero.plan.step_records import PARTS, Setup, SimulatedStep, StepMemory, TrainingSpec
 from hf_lowzero.plan.tracker import PeakTracker, storage_bytes
+from hf_lowzero.timing.record import StepRecorder
 from hf_lowzero.zero.runtime import comm
 
 
@@ -119,11 +120,11 @@ def simulate_step(
             device=device,
             backend=backend,
         )
-        with step_world(simulated):
-            return _run(simulated)
+        with step_world(simulated) as recorder:
+            return _run(simulated, recorder)
 
 
-def _run(simulated: SimulatedStep) -> StepMemory:
+def _run(simulated: SimulatedStep, recorder: StepRecorder | None) -> StepMemory:
     """One step as ``simulated`` describes it, in the world ``step_world`` made for it.
 
     [Note: the run's own memory] A real run on a GPU reports the allocator's peak less what the
@@ -176,16 +177,22 @@ def _run(simulated: SimulatedStep) -> StepMemory:
                 ddp_buckets = storage_bytes(trainable)  # [Note: what the simulation leaves out]
         batch = spec.batch(simulated.batch_size, simulated.seq_len, device or "cpu")
         step = _Step(setup, training, runner, opt, inner, device)
+        timing = recorder if recorder is not None else _NotTimed()
+        timing.start()  # [Note: the step's own sequence] in hf_lowzero/timing/record.py
         step.warm_up(fake, batch, reference)  # [Note: steady state]
+        timing.boundary()
         tracker.reset_peak()
         if device is not None and not fake:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         sent_before = sum(comm.comm_stats.sent_bytes.values())
-        step.forward_backward(batch, reference)
+        # DDP's all-reduces, in the last micro-batch's backward (the others run under no_sync)
+        ddp = (lambda: timing.ddp_all_reduces(trainable, world_size)) if ddp_buckets else contextlib.nullcontext
+        step.forward_backward(batch, reference, last=ddp)
         grads_at_peak = tracker.peak_snapshot().get("Gradient", 0)
         all_grads = storage_bytes(p.grad for p in trainable if p.grad is not None)
         step.update(fake)
+        timing.boundary()
         sent = sum(comm.comm_stats.sent_bytes.values()) - sent_before
     peak = tracker.peak_on(device) if device is not None else tracker.peak_total()
     allocator_peak = None
@@ -233,7 +240,18 @@ def _run(simulated: SimulatedStep) -> StepMemory:
         owned_numel=_owned_numel(opt, world_size) if partition == "params" else [],
         allocator_peak=allocator_peak,
         device=device.type if device is not None else "cpu",
+        program=recorder.program if recorder is not None else None,
     )
+
+
+class _NotTimed:
+    """A real step's stand-in for the recorder: nothing is timed."""
+
+    def start(self) -> None:
+        pass
+
+    def boundary(self) -> None:
+        pass
 
 
 def _owned_numel(opt, world_size: int) -> list[int]:
@@ -266,10 +284,12 @@ class _Step:
                     p.grad = torch.zeros_like(p)
             self.update(fake)
 
-    def forward_backward(self, batch, reference) -> None:
+    def forward_backward(self, batch, reference, last=contextlib.nullcontext) -> None:
+        """Every micro-batch's forward and backward; the last one's within ``last()``."""
         steps = self.training.gradient_accumulation_steps
         for micro in range(steps):
-            with _no_sync(self.opt, self.runner, last=micro == steps - 1):
+            synced = last() if micro == steps - 1 else contextlib.nullcontext()
+            with _no_sync(self.opt, self.runner, last=micro == steps - 1), synced:
                 if reference is not None:
                     with torch.no_grad():
                         reference(**batch)

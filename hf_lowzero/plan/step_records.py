@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hf_lowzero.plan.models import ModelSpec
+from hf_lowzero.timing.record import Program
 from hf_lowzero.zero.inner.policy import choose_partition
 from hf_lowzero.zero.zero_config import ZeroConfig
 
@@ -135,3 +136,5 @@ class StepMemory:
     # the run began ([Note: the run's own memory])
     allocator_peak: int | None = None
     device: str = "cpu"  # where the step ran: "cuda" (a fake GPU on fake tensors) or "cpu"
+    # the step's own sequence, recorded to be timed (hf_lowzero.timing): fake steps only
+    program: Program | None = None

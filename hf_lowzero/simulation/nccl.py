@@ -188,7 +188,17 @@ class SimulatedGroup(dist.ProcessGroup):
         checker.merge(nccl, checker.snapshot(checker.current_stream(device)))  # NCCL's stream waits first
         checker.access(nccl, list(reads), list(writes), f"NCCL {op}")
         done = checker.snapshot(nccl)
-        return _Done(lambda: checker.merge(checker.current_stream(device), done))
+        observer = self.world.ops.observer  # the time model ([Note: the step's own sequence] in hf_lowzero/timing)
+        if observer is None:
+            return _Done(lambda: checker.merge(checker.current_stream(device), done))
+        nbytes = max(t.numel() * t.element_size() for t in tensors)
+        handle = observer.collective(nccl, checker.current_stream(device), op, nbytes, self.size())
+
+        def waited() -> None:
+            checker.merge(checker.current_stream(device), done)
+            observer.collective_waited(checker.current_stream(device), handle)
+
+        return _Done(waited)
 
     def _nccl_stream(self, device: torch.device):
         streams = self.world.__dict__.setdefault("_nccl_streams", {})

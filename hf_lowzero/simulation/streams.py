@@ -284,6 +284,7 @@ class FakeCudaOps:
         self.device = device
         self.current_device = 0
         self.pinned_allocations: list[int] = []  # bytes of each pinned buffer, in allocation order
+        self.observer = None  # a StepObserver (observer.py): told every event, wait and collective
 
     def side_stream(self, device: torch.device) -> FakeStream:
         return self.checker.stream(torch.device(device))
@@ -302,16 +303,25 @@ class FakeCudaOps:
             self.checker.current[index] = previous
 
     def record_event(self, stream: FakeStream) -> FakeEvent:
-        return FakeEvent(self.checker.snapshot(stream), repr(stream))
+        event = FakeEvent(self.checker.snapshot(stream), repr(stream))
+        if self.observer is not None:
+            self.observer.event_recorded(stream, event)
+        return event
 
     def stream_waits(self, stream: FakeStream, event: FakeEvent) -> None:
         self.checker.merge(stream, event.clock)
+        if self.observer is not None:
+            self.observer.stream_waits(stream, event)
 
     def stream_waits_stream(self, stream: FakeStream, other: FakeStream) -> None:
         self.checker.merge(stream, self.checker.snapshot(other))
+        if self.observer is not None:
+            self.observer.stream_waits_stream(stream, other)
 
     def host_waits(self, event: FakeEvent) -> None:
         self.checker.host_sync(event.clock)
+        if self.observer is not None:
+            self.observer.host_waits(event)
 
     def event_done(self, event: FakeEvent) -> bool:
         # Known done only when the host already waited past it (a later sync covered it); otherwise the

@@ -56,16 +56,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend",
         choices=["nccl", "gloo"],
-        default="nccl",
-        help="nccl: plan GPUs (simulated on fake CUDA devices; default); gloo: plan CPU ranks",
+        default=None,
+        help="nccl: plan GPUs (simulated on fake CUDA devices; default); gloo: plan CPU ranks (default with "
+        "--device cpu)",
     )
-    parser.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+    timing = parser.add_argument_group("time (docs/plan.md: the model behind the time columns)")
+    timing.add_argument(
+        "--device",
+        default=None,
+        help="the device the time columns are for, and its memory when --device-memory is not given: H100, H200, "
+        "A100-80GB, A100-40GB, A10G, L4, L40S, RTX4090, or cpu (this machine, measured once); default: this "
+        "machine's GPU if the table has it, else H100 (cpu with --backend gloo)",
+    )
+    timing.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default 8; cpu: all)")
+    timing.add_argument(
+        "--intra-node", default=None, help="bandwidth between a node's devices, e.g. 450GB/s (default: the device's)"
+    )
+    timing.add_argument(
+        "--inter-node", default=None, help="a node's network, e.g. 100Gb/s or 3200Gb/s (default: the device's)"
+    )
+    timing.add_argument("--host-threads", type=int, default=None, help="host threads per rank (default 4; cpu: all)")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        help="print the plan as JSON instead of the table; --json FILE: also write it to FILE",
+    )
     own, rest = parser.parse_known_args(argv)
 
     from transformers import HfArgumentParser
 
     from hf_lowzero.plan.devices import plan_devices, this_gpu
     from hf_lowzero.plan.planner import format_bytes, plan_memory
+    from hf_lowzero.timing.devices import find_device
     from hf_lowzero.trainer.arguments import LowZeroTrainingArguments
 
     if not any(a.startswith("--output_dir") for a in rest):
@@ -87,10 +111,24 @@ def main(argv: list[str] | None = None) -> int:
         lora_targets=targets,
         ref_model=own.ref_model,
         reserve=own.reserve,
-        backend=own.backend,
+        backend=own.backend or ("gloo" if (own.device or "").lower() == "cpu" else "nccl"),
     )
+    if own.device is not None:
+        names = ("gpus_per_node", "intra_node", "inter_node", "host_threads")
+        options["target"] = {"device": own.device} | {n: getattr(own, n) for n in names if getattr(own, n) is not None}
+    elif any(getattr(own, n) is not None for n in ("gpus_per_node", "intra_node", "inter_node", "host_threads")):
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --gpus-per-node, --intra-node, --inter-node and --host-threads "
+            "describe the --device they go with; name it (e.g. --device H100)\n",
+        )
     device_memory = own.device_memory
-    gpu = this_gpu() if device_memory is None else None
+    if device_memory is None and own.device is not None:
+        try:
+            device_memory = find_device(own.device).memory_bytes or None  # cpu: no memory figure
+        except ValueError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+    gpu = this_gpu() if device_memory is None and own.device is None else None
     if gpu is not None:
         name, device_memory = gpu
         print(
@@ -104,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_memory(own.model, args, device_memory=device_memory, **options)
     except (ValueError, TypeError, OSError) as e:  # OSError: e.g. a config.json that is not JSON
         parser.exit(2, f"{parser.prog}: error: {e}\n")  # one line and exit status 2, as argparse's errors
-    print(plan.to_text())
-    if own.json:
+    text = json.dumps(plan.to_dict(), indent=2)  # the table and the JSON: one record, the plan's rows
+    print(text if own.json == "-" else plan.to_text())
+    if own.json not in (None, "-"):
         from pathlib import Path
 
         from hf_lowzero.checkpoint.shards import atomic_write
 
-        text = json.dumps(plan.to_dict(), indent=2)
         atomic_write(Path(own.json), lambda tmp: Path(tmp).write_text(text))
     fits = plan.fits_any if device_memory is None else plan.recommended is not None
     return 0 if fits else 1

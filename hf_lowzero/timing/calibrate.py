@@ -1,0 +1,189 @@
+"""``cpu``: this machine as a device, measured once (at most 20 s) and cached.
+
+What the time model needs of a CPU rank, measured with torch as the step runs it:
+
+- the matmul rate (fp32 and bf16 ``mm`` of 512 x 512), with one thread and with all of torch's;
+- the memory bandwidth (a 32 MiB ``copy_``, read and write), with one thread and with all;
+- the cost per op of an eager step: a small MLP's forward and backward on one thread, timed, over
+  the aten ops it dispatches (Python, autograd and the dispatcher included: what a step of small
+  ops pays);
+- gloo's latency and bandwidth: an all-reduce of one element and of 16 MiB between two local ranks
+  (two gloo groups in two threads of this process, over loopback as local processes talk).
+
+The figures are kept as JSON under ``HF_LOWZERO_CACHE`` (default ``~/.cache/hf_lowzero``), keyed by
+the CPU, its core count and torch's version; delete the file to measure again.
+
+Example::
+
+    device = cpu_device()            # measured on the first call, read from the cache after
+    device.measured["gloo_latency_s"], device.matmul_flops["fp32"]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from hf_lowzero.timing.devices import Device
+
+CACHE_ENV = "HF_LOWZERO_CACHE"
+SECONDS_PER_FIGURE = 0.4
+
+
+def cpu_device() -> Device:
+    """This machine as a ``Device`` (see the module docstring)."""
+    path = cache_path()
+    if path.is_file():
+        measured = json.loads(path.read_text())
+    else:
+        measured = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(measured, indent=1))
+        os.replace(partial, path)
+    return device_from(measured)
+
+
+def device_from(measured: dict) -> Device:
+    """The ``cpu`` device of a calibration's figures (rates at all of its threads)."""
+    return Device(
+        name="cpu",
+        memory_bytes=0,
+        matmul_flops={"fp32": measured["matmul_fp32"][1], "bf16": measured["matmul_bf16"][1]},
+        memory_bandwidth=measured["bandwidth"][1],
+        intra_node=measured["gloo_bandwidth"],
+        inter_node=measured["gloo_bandwidth"],
+        pcie=measured["bandwidth"][1],
+        source=f"measured on this machine ({measured['cpu']}, {measured['threads']} threads)",
+        launch_s=0.0,
+        dispatch_s=measured["dispatch_s"],
+        latency_s=measured["gloo_latency_s"],
+        host_flops_per_thread=measured["matmul_fp32"][0],
+        host_bandwidth_per_thread=measured["bandwidth"][0],
+        host_bandwidth=measured["bandwidth"][1],
+        is_host=True,
+        measured=measured,
+    )
+
+
+def measure() -> dict:
+    """Measure this machine (see the module docstring); about 15 s."""
+    threads = torch.get_num_threads()
+    figures: dict = {"cpu": platform.processor() or platform.machine(), "threads": threads}
+    for name, fn in (("matmul_fp32", _matmul(torch.float32)), ("matmul_bf16", _matmul(torch.bfloat16))):
+        figures[name] = [_with_threads(1, fn), _with_threads(threads, fn)]
+    figures["bandwidth"] = [_with_threads(1, _bandwidth), _with_threads(threads, _bandwidth)]
+    figures["dispatch_s"] = _with_threads(1, _dispatch)  # Python's share: one thread (more spin on a loaded machine)
+    figures.update(_gloo())
+    return figures
+
+
+def _with_threads(n: int, fn) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rate(work_per_call: float, call) -> float:
+    """Work per second of ``call``, repeated for about ``SECONDS_PER_FIGURE`` (the best of three)."""
+    call()
+    best = float("inf")
+    for _ in range(3):
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < SECONDS_PER_FIGURE / 3:
+            call()
+            calls += 1
+        best = min(best, elapsed / calls)
+    return work_per_call / best
+
+
+def _matmul(dtype: torch.dtype):
+    n = 512
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return lambda: _rate(2 * n**3, lambda: torch.mm(a, b))
+
+
+def _bandwidth() -> float:
+    src, dst = torch.ones(8 * 2**20), torch.empty(8 * 2**20)  # 32 MiB each
+    return _rate(2 * src.numel() * 4, lambda: dst.copy_(src))
+
+
+def _dispatch() -> float:
+    """Seconds per aten op of a small MLP's eager forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(8)])
+    x = torch.randn(2, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    per_step = 1.0 / _rate(1.0, step)
+    return per_step / Count.ops
+
+
+def _gloo() -> dict:
+    """Gloo's all-reduce between two ranks of this machine: two groups in two threads of this
+    process over loopback TCP, as two local processes talk (no process to start: this may run
+    inside a rank or a pool's worker)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: list = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("calibrate", store), rank, 2, timedelta(seconds=60))
+
+    def seconds_per_all_reduce(numel: int, repeats: int) -> float:
+        tensors = [torch.ones(numel), torch.ones(numel)]
+
+        def run(rank: int) -> None:
+            for _ in range(repeats):
+                groups[rank].allreduce([tensors[rank]]).wait()
+
+        _in_threads(run)  # warm
+        start = time.perf_counter()
+        _in_threads(run)
+        return (time.perf_counter() - start) / repeats
+
+    _in_threads(join)
+    latency = seconds_per_all_reduce(1, 100)
+    large = 4 * 2**20  # 16 MiB: a ring all-reduce of two ranks sends it once (2(n-1)/n = 1)
+    seconds = seconds_per_all_reduce(large, 8)
+    return {"gloo_latency_s": latency, "gloo_bandwidth": large * 4 / max(seconds - latency, 1e-9)}
+
+
+def _in_threads(fn) -> None:
+    import threading
+
+    threads = [threading.Thread(target=fn, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def cache_path() -> Path:
+    """Where this machine's figures are kept (see the module docstring)."""
+    key = f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    tag = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "hf_lowzero")) / f"timing_cpu_{tag}.json"

@@ -1,0 +1,109 @@
+"""The cost model: seconds for each piece of a step's work on a ``Target`` ([Note: the cost model]).
+
+Example::
+
+    costs = Costs(Target.of("H100"))
+    costs.kernel(op_work(func, args, kwargs, out))       # max(FLOPs / rate, bytes / bandwidth) + launch
+    costs.collective("reduce_scatter", 2**28, 8)          # latency + 7/8 * bytes / bus bandwidth
+
+# [Note: the cost model]
+# - A kernel on a GPU costs the larger of its FLOPs at the matmul rate of its dtype and its bytes at
+#   memory bandwidth, plus a launch cost. Both rates are taken at ``MATMUL_EFFICIENCY`` and
+#   ``MEMORY_EFFICIENCY`` of the datasheet's peak: what large, well-shaped kernels reach.
+# - An op on host tensors (offload's host step, the CPU's own ops) costs the same at the host's rates,
+#   which grow with its threads up to the machine's bandwidth.
+# - The host pays ``dispatch_s`` for every op it issues, kernel or not; a kernel starts no earlier
+#   than the host issued it, so a step of many small ops is the host's speed.
+# - A copy between host and device memory costs its bytes at the PCIe rate.
+# - A collective costs a latency plus its algorithm's bytes over the bus bandwidth of its group:
+#   ring all-reduce 2(n-1)/n of the tensor, reduce-scatter, all-gather and all-to-all (n-1)/n, a
+#   send or receive the whole; over the network where the group spans nodes (``Target.bus_bandwidth``).
+#   A group of one sends nothing.
+# - On ``cpu`` every op is the host's, at the rates ``calibrate.py`` measured at one thread and at
+#   all (efficiency 1; in between, linear up to all's), and a collective is gloo's measured latency
+#   and bandwidth.
+
+# [Note: autocast on fake GPUs]
+# The plain Trainer's row (stage 0) trains fp32 params under 16-bit autocast. On a GPU, autocast
+# runs its matmuls in 16 bits; on the fake GPUs of a CPU-only torch, ``torch.autocast("cuda")`` is
+# disabled (no CUDA) and they run in fp32. ``Costs(autocast=True)`` prices fp32 matmuls at the
+# 16-bit rate for that row; the bytes of the ops around them stay fp32's (an overestimate).
+"""
+
+from __future__ import annotations
+
+from hf_lowzero.timing.counting import OpWork
+from hf_lowzero.timing.devices import Target
+
+MATMUL_EFFICIENCY = 0.75
+MEMORY_EFFICIENCY = 0.8
+
+# The share of a collective's tensor each rank sends, as a function of the group size n.
+ALGORITHM_BYTES = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+    "broadcast": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+class Costs:
+    """Seconds for each kind of work on ``target`` ([Note: the cost model])."""
+
+    def __init__(self, target: Target, autocast: bool = False) -> None:
+        self.target = target
+        device = target.device
+        threads = target.host_threads
+        if device.is_host:  # measured with one thread and with all: in between, linear up to all's
+            m = device.measured
+            self.matmul = {d: _at_threads(m[f"matmul_{d}"], threads) for d in ("fp32", "bf16")}
+            self.bandwidth = _at_threads(m["bandwidth"], threads)
+            self.host_flops, self.host_bandwidth = self.matmul["fp32"], self.bandwidth
+        else:
+            self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
+            self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
+            if autocast:  # [Note: autocast on fake GPUs]
+                self.matmul["fp32"] = self.matmul["bf16"]
+            self.host_flops = device.host_flops_per_thread * threads
+            self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
+
+    @property
+    def dispatch(self) -> float:
+        """The host's cost of issuing one op."""
+        return self.target.device.dispatch_s
+
+    def kernel(self, work: OpWork) -> float:
+        """A kernel on the device (on ``cpu``: the op on the host)."""
+        if not work.launches:
+            return 0.0
+        compute = work.flops / self.matmul.get(work.matmul_dtype, self.matmul["fp32"])
+        return max(compute, work.nbytes / self.bandwidth) + self.target.device.launch_s
+
+    def host(self, work: OpWork) -> float:
+        """An op on host tensors, at the host's rates for its threads."""
+        if not work.launches:
+            return 0.0
+        if self.target.device.is_host:  # the device is the host: its measured rates per dtype
+            return self.kernel(work)
+        return max(work.flops / self.host_flops, work.nbytes / self.host_bandwidth)
+
+    def copy(self, nbytes: int) -> float:
+        """A copy of ``nbytes`` between host and device memory."""
+        return nbytes / self.target.device.pcie + self.target.device.launch_s
+
+    def collective(self, op: str, nbytes: int, group_size: int) -> float:
+        """A collective ``op`` on a tensor of ``nbytes`` (the larger of input and output) over ``group_size`` ranks."""
+        if group_size <= 1:
+            return self.target.device.launch_s
+        share = ALGORITHM_BYTES.get(op, ALGORITHM_BYTES["all_reduce"])(group_size)
+        return self.target.device.latency_s + share * nbytes / self.target.bus_bandwidth(group_size)
+
+
+def _at_threads(measured: list[float], threads: int) -> float:
+    """A rate measured at one thread and at all (``[one, all]``) for ``threads`` threads."""
+    one, everyone = measured
+    return one if threads <= 1 else max(one, min(threads * one, everyone))

@@ -1,0 +1,99 @@
+"""What one op of the step does, in the units the cost model prices: FLOPs and bytes moved.
+
+- Matmuls, convolutions and attention (forward and backward) count their FLOPs with torch's own
+  formulas (``torch.utils.flop_counter``), in the dtype they run in.
+- Every op counts the bytes of its tensor inputs and outputs (the elements its views cover, each
+  once): what a kernel reads and writes, at least.
+- Views, queries (an op that returns no tensor and writes none: ``prim.device``) and allocations
+  launch no kernel (``launches`` False): they cost the host its dispatch only.
+
+Example::
+
+    work = op_work(torch.ops.aten.mm.default, (a, b), {}, out)
+    work.flops, work.nbytes, work.matmul_dtype          # 2*m*n*k, bytes of a, b and out, "bf16"
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+# Ops that make or describe tensors without a kernel reading or writing their data.
+_NO_KERNEL = frozenset(
+    getattr(aten, name)
+    for name in (
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+        "detach", "alias", "lift_fresh", "set_", "_to_copy_meta", "resize_", "is_same_size", "sym_size",
+        "sym_stride", "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type",
+    )
+    if hasattr(aten, name)
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """One op's work: ``flops`` (matmul-like ops only), ``nbytes`` read and written, the dtype its
+    matmul runs in (``"bf16"`` for 16-bit floats, else ``"fp32"``), and whether it launches a kernel."""
+
+    flops: float
+    nbytes: int
+    matmul_dtype: str
+    launches: bool
+    name: str = ""  # the op's name (aten's), for a look at where the time goes
+
+
+def op_work(func, args, kwargs, out) -> OpWork:
+    """The work of ``func(*args, **kwargs)`` that returned ``out`` (see the module docstring)."""
+    name, no_kernel, writes, counter = _kind(func)
+    outputs = _tensors([out])
+    if no_kernel or (not outputs and not writes):  # a view, an allocation, a query (prim.device)
+        return OpWork(0.0, 0, "fp32", launches=False, name=name)
+    tensors = _tensors(args) + _tensors(list(kwargs.values())) + outputs
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    flops = 0.0
+    if counter is not None:
+        flops = float(counter(*args, **kwargs, out_val=out))
+    floats = [t.dtype for t in tensors if t.is_floating_point()]
+    sixteen = any(d in (torch.float16, torch.bfloat16) for d in floats)
+    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True, name=name)
+
+
+@functools.cache
+def _kind(func) -> tuple[str, bool, bool, object]:
+    """What an op is, read once from its schema: its name, whether it launches no kernel, whether it
+    writes an argument, and torch's FLOP formula for it (or None)."""
+    packet = getattr(func, "overloadpacket", None)
+    return str(packet), packet in _NO_KERNEL or _is_view(func), _writes(func), flop_registry.get(packet)
+
+
+def is_collective_op(func) -> bool:
+    """Whether ``func`` is a ``c10d`` collective as the dispatcher sees it (``c10d.allreduce_``)."""
+    return getattr(func, "namespace", "") == "c10d"
+
+
+def _writes(func) -> bool:
+    """Whether ``func`` writes one of its arguments (an in-place op, ``out=``, ``_foreach_add_``)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _is_view(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(_tensors(v))
+    return found

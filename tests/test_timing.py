@@ -1,0 +1,185 @@
+"""The time model (hf_lowzero/timing): the cost model's formulas, the schedule of hand-built
+sequences (two streams, an event wait, a collective overlapping compute) with the exact times the
+model gives, and the sequence a simulated step records.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_lowzero.plan.measure import PlanCase, case_training, tiny_model_spec
+from hf_lowzero.plan.simulate import simulate_step
+from hf_lowzero.plan.step_records import Setup
+from hf_lowzero.timing import Costs, Program, Target, calibrate, find_device, parse_bandwidth, schedule
+from hf_lowzero.timing.costs import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from hf_lowzero.timing.counting import OpWork, op_work
+from hf_lowzero.trainer.plan_cli import main as plan_main
+
+H100 = Target.of("H100", gpus_per_node=4, inter_node="100Gb/s")
+
+
+def test_a_kernel_costs_the_larger_of_its_flops_and_its_bytes_plus_a_launch():
+    costs, device = Costs(H100), H100.device
+    compute_bound = OpWork(flops=2 * 4096**3, nbytes=3 * 4096**2 * 2, matmul_dtype="bf16", launches=True)
+    memory_bound = OpWork(flops=0.0, nbytes=2**30, matmul_dtype="bf16", launches=True)
+    matmul = device.matmul_flops["bf16"] * MATMUL_EFFICIENCY
+    bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
+    assert costs.kernel(compute_bound) == pytest.approx(2 * 4096**3 / matmul + device.launch_s)
+    assert costs.kernel(memory_bound) == pytest.approx(2**30 / bandwidth + device.launch_s)
+    fp32 = OpWork(flops=2 * 4096**3, nbytes=0, matmul_dtype="fp32", launches=True)
+    assert costs.kernel(fp32) == pytest.approx(2 * 4096**3 / (67e12 * MATMUL_EFFICIENCY) + device.launch_s)
+    assert costs.kernel(OpWork(0.0, 0, "fp32", launches=False)) == 0.0  # a view
+
+
+def test_collectives_cost_latency_plus_ring_bytes_over_the_links_they_cross():
+    costs, device, size = Costs(H100), H100.device, 2**28
+    within = 450e9  # NVLink per direction; the group of 4 fits a node of 4
+    across = 12.5e9  # 100 Gb/s between nodes
+    assert costs.collective("all_reduce", size, 4) == pytest.approx(device.latency_s + 2 * 3 / 4 * size / within)
+    assert costs.collective("reduce_scatter", size, 4) == pytest.approx(device.latency_s + 3 / 4 * size / within)
+    assert costs.collective("all_gather", size, 8) == pytest.approx(device.latency_s + 7 / 8 * size / across)
+    assert costs.collective("all_gather", size, 1) == device.launch_s  # one rank sends nothing
+
+
+def test_the_schedule_of_two_streams_and_an_event_wait():
+    """compute: A then B; the side stream waits for an event after A, then copies; the host waits
+    for the copy and ends the step."""
+    costs = Costs(H100)
+    a = OpWork(flops=2e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    b = OpWork(flops=1e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    program = Program()
+    program.steps.append(("run", "compute", "kernel", a))
+    after_a = program.mark("compute")
+    program.steps.append(("wait", "side", after_a))
+    program.steps.append(("run", "side", "copy", 2**30))
+    program.steps.append(("run", "compute", "kernel", b))
+    program.steps.append(("wait", "host", program.mark("side")))
+    program.steps.append(("boundary",))
+    timeline = schedule(program, costs)
+
+    d = H100.device.dispatch_s
+    a_end = d + costs.kernel(a)  # issued after one dispatch
+    copy_end = max(a_end, 2 * d) + costs.copy(2**30)  # waits for A's event, issued second
+    b_end = a_end + costs.kernel(b)  # queued behind A on compute
+    assert timeline.lanes["side"] == [(pytest.approx(a_end), pytest.approx(copy_end), "copy")]
+    assert timeline.lanes["compute"][1][1] == pytest.approx(b_end)
+    assert timeline.step_time().seconds == pytest.approx(max(copy_end, b_end))
+
+
+def test_a_collective_overlapping_compute_is_hidden_by_the_overlap():
+    costs = Costs(H100)
+    short = OpWork(flops=1e11, nbytes=0, matmul_dtype="bf16", launches=True)
+    long = OpWork(flops=2e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    program = Program()
+    program.steps.append(("boundary",))  # the step starts here
+    program.steps.append(("run", "compute", "kernel", short))
+    program.steps.append(("wait", "nccl", program.mark("compute")))
+    program.steps.append(("run", "nccl", "collective", ("reduce_scatter", 2**31, 4)))
+    done = program.mark("nccl")
+    program.steps.append(("run", "compute", "kernel", long))
+    program.steps.append(("wait", "compute", done))
+    program.steps.append(("run", "compute", "kernel", short))
+    program.steps.append(("boundary",))
+    timeline = schedule(program, costs)
+
+    d = H100.device.dispatch_s
+    short_end = d + costs.kernel(short)
+    comm = costs.collective("reduce_scatter", 2**31, 4)
+    comm_end = max(short_end, 2 * d) + comm
+    long_end = short_end + costs.kernel(long)
+    assert comm_end > long_end  # part of it sticks out past the long kernel
+    step = timeline.step_time()
+    assert step.seconds == pytest.approx(comm_end + costs.kernel(short))  # compute waits for it, then runs
+    assert step.comm_seconds == pytest.approx(comm)
+    assert step.comm_hidden == pytest.approx((long_end - (comm_end - comm)) / comm)
+
+
+def test_an_op_counts_its_flops_and_bytes():
+    a, b = torch.ones(16, 32, dtype=torch.bfloat16), torch.ones(32, 8, dtype=torch.bfloat16)
+    out = a @ b
+    work = op_work(torch.ops.aten.mm.default, (a, b), {}, out)
+    nbytes = (16 * 32 + 32 * 8 + 16 * 8) * 2
+    assert (work.flops, work.nbytes, work.matmul_dtype, work.launches) == (2 * 16 * 32 * 8, nbytes, "bf16", True)
+    view = op_work(torch.ops.aten.view.default, (a, [32, 16]), {}, a.view(32, 16))
+    assert not view.launches
+    assert not op_work(torch.ops.prim.device.default, (a,), {}, a.device).launches  # a query
+    assert op_work(torch.ops.aten._foreach_add_.Scalar, ([a], 1.0), {}, None).launches  # in place, returns nothing
+
+
+def test_devices_and_bandwidths_are_read_or_refused_clearly():
+    assert find_device("h100").name == "H100" and find_device("a100").name == "A100-80GB"
+    assert parse_bandwidth("400Gb/s") == 50e9 and parse_bandwidth("50GB/s") == 50e9 and parse_bandwidth(2) == 2e9
+    with pytest.raises(ValueError, match="--device 'B200' is not one the plan knows; use one of H100"):
+        find_device("B200")
+    with pytest.raises(ValueError, match="bandwidth 'fast' is not understood; give it as 400Gb/s"):
+        Target.of("H100", inter_node="fast")
+    with pytest.raises(ValueError, match="gpus_per_node must be at least 1"):
+        Target.of("H100", gpus_per_node=0)
+
+
+# A machine of fixed figures for `--device cpu` (the calibration's cache, written by the test): the
+# plan's times are then the same wherever the test runs.
+FIXED_CPU = {
+    "cpu": "test",
+    "threads": 2,
+    "matmul_fp32": [50e9, 90e9],
+    "matmul_bf16": [100e9, 180e9],
+    "bandwidth": [8e9, 12e9],
+    "dispatch_s": 10e-6,
+    "gloo_latency_s": 100e-6,
+    "gloo_bandwidth": 1e9,
+}
+
+
+@pytest.fixture
+def fixed_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path / "cache"))
+    path = calibrate.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(FIXED_CPU))
+    return calibrate.device_from(FIXED_CPU)
+
+
+def test_the_plan_prints_its_time_columns_as_json_from_the_rows_of_its_table(fixed_cpu, tmp_path, capsys):
+    tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device", "cpu"]
+    flags = ["--device-memory", "1GiB", "--host-threads", "1", "--bf16", "--per_device_train_batch_size", "2"]
+    assert plan_main([*argv, *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {(r["stage"], r["offload"]): r for r in plan["rows"]}
+    assert set(rows) == {(0, False), (1, False), (1, True), (2, False), (2, True)}
+    for row in rows.values():
+        assert {"setup", "fits", "peak_bytes", "step_time_s", "tokens_per_s", "comm_hidden", "mfu"} <= set(row)
+        assert row["tokens_per_s"] == pytest.approx(2 * 32 / row["step_time_s"])
+    assert rows[(1, False)]["step_time_s"] == rows[(2, False)]["step_time_s"]  # one micro-batch: the same code
+    fastest = min((r for r in plan["rows"] if r["fits"]), key=lambda r: r["step_time_s"])
+    assert plan["recommended"]["step_time_s"] <= fastest["step_time_s"] * 1.01  # within the 1% ties
+    assert plan["timed_for"]["device"] == "cpu" and plan["timed_for"]["host_threads"] == 1
+
+    assert plan_main([*argv, *flags]) == 0  # the table: the same rows, the same times
+    table = capsys.readouterr().out.split("Time on 2 x cpu")[1].splitlines()
+    for row in plan["rows"]:
+        line = next(x for x in table if x.startswith(row["setup"] + "  "))
+        assert f"{row['step_time_s'] * 1e3:.3g} ms" in line and f"{row['tokens_per_s']:,.0f}" in line
+
+
+def test_a_step_of_more_tokens_takes_longer_and_stage_2_reduce_scatters_its_gradients(fixed_cpu):
+    spec, training = tiny_model_spec("gpt2"), case_training(PlanCase(bf16=True, batch_size=2))
+    costs = Costs(Target.of("cpu", host_threads=1))
+
+    def step(setup, seq_len):
+        return simulate_step(spec, training, setup, 2, 2, seq_len, backend="gloo")
+
+    short, long = step(Setup(2), 16), step(Setup(2), 64)
+    assert schedule(long.program, costs).step_time().seconds > schedule(short.program, costs).step_time().seconds
+    sent = [s[3] for s in short.program.steps if s[0] == "run" and s[2] == "collective"]
+    params = sum(p.numel() for p in spec.build(torch.bfloat16).parameters())
+    reduce_scatters = [nbytes for op, nbytes, group in sent if op == "reduce_scatter"]
+    # one bucket of bf16 gradients, padded to the world size per param; then the params gathered back
+    assert reduce_scatters and sum(reduce_scatters) == pytest.approx(2 * params, rel=0.01)
+    assert {op for op, _, group in sent} == {"reduce_scatter", "all_gather"} and {g for *_, g in sent} == {2}
+    ddp = [s[3] for s in step(Setup(0), 16).program.steps if s[0] == "run" and s[2] == "collective"]
+    assert [op for op, *_ in ddp] == ["all_reduce"] and ddp[0][1] == 4 * params  # DDP's fp32 gradients
