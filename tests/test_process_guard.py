@@ -76,17 +76,7 @@ def test_a_tied_child_dies_with_its_parent():
 def test_a_killed_plan_leaves_no_simulation_running(tmp_path):
     """A plan killed by its caller's timeout took its fake-GPU simulation child along (it used to run
     on, orphaned, at 80% of a core for an hour)."""
-    from hf_lowzero.plan.measure import tiny_model_spec
-    from hf_lowzero.simulation.launch import FakeCudaUnavailable, fake_cuda_here, fake_cuda_library
-
-    if fake_cuda_here():
-        pytest.skip("this machine has CUDA: the plan simulates in its own process")
-    try:
-        fake_cuda_library()
-    except FakeCudaUnavailable as e:
-        pytest.skip(str(e))
-    tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
-    argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"]
+    argv = _tiny_plan_argv(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "hf_lowzero.trainer.plan_cli", *argv]
     plan = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
@@ -97,8 +87,19 @@ def test_a_killed_plan_leaves_no_simulation_running(tmp_path):
 def test_a_killed_plan_in_two_processes_leaves_neither_running(tmp_path):
     """A plan whose steps run in two fake-GPU processes ([Note: two processes for a large model] in
     hf_lowzero/plan/simulations.py): killing the command takes the first, and the first the second."""
-    from hf_lowzero.plan.measure import tiny_model_spec
     from hf_lowzero.plan.simulations import PROCESSES_ENV
+
+    argv = _tiny_plan_argv(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{PROCESSES_ENV: "2"})
+    command = [sys.executable, "-m", "hf_lowzero.trainer.plan_cli", *argv]
+    plan = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    kill_parent_and_check_child_gone(plan, wait_for_child_s=300, depth=2)
+
+
+def _tiny_plan_argv(tmp_path) -> list[str]:
+    """The plan command's flags for a tiny GPT-2 saved in ``tmp_path``; skips where the plan would not
+    simulate in a process of its own (a machine with CUDA, or no fake-CUDA library)."""
+    from hf_lowzero.plan.measure import tiny_model_spec
     from hf_lowzero.simulation.launch import FakeCudaUnavailable, fake_cuda_here, fake_cuda_library
 
     if fake_cuda_here():
@@ -108,8 +109,4 @@ def test_a_killed_plan_in_two_processes_leaves_neither_running(tmp_path):
     except FakeCudaUnavailable as e:
         pytest.skip(str(e))
     tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
-    argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{PROCESSES_ENV: "2"})
-    command = [sys.executable, "-m", "hf_lowzero.trainer.plan_cli", *argv]
-    plan = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
-    kill_parent_and_check_child_gone(plan, wait_for_child_s=300, depth=2)
+    return ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"]

@@ -19,6 +19,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
@@ -90,10 +91,5 @@ def _is_view(func) -> bool:
 
 
 def _tensors(values) -> list[torch.Tensor]:
-    found = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(_tensors(v))
-    return found
+    """The tensors among ``values``, at any depth of lists and tuples."""
+    return [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
