@@ -53,8 +53,11 @@ class StateProbe:
 
     def _probe(self, shapes: list[tuple[int, ...]]) -> None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._python_dispatch import _disable_current_modes
 
-        with unset_fake_temporarily():
+        # Real tensors, and no mode of the simulated step sees them (the time model's recorder is
+        # one): torchao's compiled kernels refuse to run under any dispatch mode.
+        with unset_fake_temporarily(), _disable_current_modes():
             probes = [_probe_shape(s) for s in shapes]
             params = [torch.nn.Parameter(torch.zeros(p, dtype=self.dtype)) for p in probes]
             optimizer = self.optimizer_cls(params, **self.kwargs)
