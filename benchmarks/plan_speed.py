@@ -159,6 +159,7 @@ def render(data: dict) -> str:
     )
     footer = "\n" + "".join(f"\n- {note}" for note in data.get("notes", [])) + "\n"
     columns = list(dict.fromkeys(column for row in rows for column in row))
+    rows = [{column: row.get(column, "-") for column in columns} for row in rows]  # a case timed without a baseline
     return write_results("plan_speed", rows, columns, header, footer, data=data)
 
 
