@@ -10,6 +10,9 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
 
 - ``zero1_verify_every_1`` and ``zero1_verify_off``, diagnostics: the integrity checks at every step
   and off, beside ``zero1`` with their default (``verify_every="auto"``: within 1% of the step);
+- ``zero1_reduce_scatter``: stage 1 without [Note: replicated reduction] (``grads/replicated.py``):
+  the bucket reduce-scattered and the step's norm and flags all-reduced, three synchronizations per
+  step where ``zero1`` has two on a model of one small bucket;
 - ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
   ``POINT_TO_POINT_MIN_BYTES`` too, instead of gloo's own collectives ([Note: gloo point-to-point]
   in ``comm.py``);
@@ -50,6 +53,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from benchmarks.step_time import loss_fn, ratios  # noqa: E402
+from hf_lowzero.zero.grads import replicated  # noqa: E402
 from hf_lowzero.zero.grads.norm import float64_squared_norm, squared_norm  # noqa: E402
 from hf_lowzero.zero.runtime import comm  # noqa: E402
 
@@ -71,12 +75,26 @@ CURRENT = {name: getattr(comm, name) for name in ("POINT_TO_POINT_MIN_BYTES", "a
 VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the current code, ZeroConfig fields)
     "ddp_fused": ("ddp_fused", {}, {}),
     "zero1": ("zero1", {}, {}),
+    "zero1_reduce_scatter": ("zero1", {}, {}),
     "zero1_verify_every_1": ("zero1", {}, {"verify_every": 1}),
     "zero1_verify_off": ("zero1", {}, {"verify_every": "off"}),
     "zero2": ("zero2", {}, {}),
     "zero2_p2p_small_buckets": ("zero2", {"POINT_TO_POINT_MIN_BYTES": 0}, {}),
     "zero2_no_norm_sync": ("zero2", {"all_reduce": no_all_reduce}, {}),
 }
+
+
+WITHOUT_REPLICATION = {"zero1_reduce_scatter"}  # built with [Note: replicated reduction] switched off
+
+
+def build_setup(variant: str, build) -> Setup:
+    kind, _, config = VARIANTS[variant]
+    limit = replicated.REPLICATED_MAX_BYTES
+    replicated.REPLICATED_MAX_BYTES = 0 if variant in WITHOUT_REPLICATION else limit
+    try:
+        return Setup(kind, build(), 1, config)
+    finally:
+        replicated.REPLICATED_MAX_BYTES = limit
 
 
 def use(variant: str) -> None:
@@ -132,7 +150,7 @@ def body(rank: int, world_size: int, out: str, rounds: int, models: list[str], v
     for kind in models:
         build, steps = MODELS[kind]
         loss_of = loss_fn(kind, rank)
-        setups = {name: Setup(VARIANTS[name][0], build(), 1, VARIANTS[name][2]) for name in variants}
+        setups = {name: build_setup(name, build) for name in variants}
         torch.set_num_threads(1)
         cpu: dict[str, list[float]] = {name: [] for name in setups}  # this rank's CPU seconds per turn
         runs = {name: timed_on_cpu(functools.partial(setup.step, loss_of), cpu[name]) for name, setup in setups.items()}
@@ -208,7 +226,9 @@ def main() -> None:
         "threads included), which a loaded machine disturbs less; max_param_diff = largest absolute difference "
         "of any param from ddp_fused's after all the steps. zero1_verify_every_1 and zero1_verify_off (diagnostics: "
         "what a verify step costs, and what the checks' default, verify_every='auto', costs): checks at every "
-        "step, and none. zero2_p2p_small_buckets: point-to-point "
+        "step, and none. zero1_reduce_scatter: stage 1 without the replicated reduction (the bucket "
+        "reduce-scattered, the norm and flags all-reduced: three syncs per step, not two). "
+        "zero2_p2p_small_buckets: point-to-point "
         f"exchanges for buckets under {comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a "
         "diagnostic: what the step's one small all-reduce costs): the norm/used-flags all-reduce skipped, each "
         "rank using its own rows' norm, which trains the same here only because nothing is clipped and every "

@@ -108,8 +108,9 @@ def reached_first_body(rank: int, stage: int, direct: bool) -> None:
     model = UsedInReverse()
     ref = ddp_reference(model)
     ref_opt = make_inner("adamw", ref.module)
-    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage)
+    opt = LowLevelZeroOptimizer(model, make_inner("adamw", model), stage=stage, verify_every="off")
     assert len(opt.buckets) == 1
+    assert opt.reducer.replicated == (stage == 1)  # [Note: replicated reduction]: one small bucket
     for step in range(2):
         comm_stats.reset()
         for micro in range(MICRO):
@@ -122,7 +123,12 @@ def reached_first_body(rank: int, stage: int, direct: bool) -> None:
                 (mse_loss(ref(x), y) / MICRO).backward()
         opt.step()
         opt.zero_grad()
-        assert comm_stats.calls["reduce_scatter"] == (1 if stage == 1 else MICRO)
+        # Stage 1: the one bucket's all-reduce carries the step's norm and flags, nothing else syncs
+        # before the all-gather; stage 2: every micro-batch reduce-scattered, then the stats all-reduce.
+        reductions = {op: comm_stats.calls[op] for op in ("reduce_scatter", "all_reduce")}
+        assert reductions == (
+            {"reduce_scatter": 0, "all_reduce": 1} if stage == 1 else {"reduce_scatter": MICRO, "all_reduce": 1}
+        )
         ref_opt.step()
         ref_opt.zero_grad()
         assert_params_equal(model, ref.module, f"reached first: stage {stage} direct {direct} step {step}")

@@ -18,6 +18,7 @@ from hf_lowzero.zero.exact import ExactReducer, ExactStepStats, use_row_invarian
 from hf_lowzero.zero.grads.backward import BackwardSync
 from hf_lowzero.zero.grads.grad_store import make_grad_store
 from hf_lowzero.zero.grads.reducer import BucketReducer
+from hf_lowzero.zero.grads.replicated import replicates
 from hf_lowzero.zero.host.adam_step import HostAdamStep, make_host_step
 from hf_lowzero.zero.inner.adopt import adopt_inner_optimizer
 from hf_lowzero.zero.inner.groups import ParamGroups
@@ -106,7 +107,8 @@ def build_parts(
     else:
         reducer = BucketReducer(
             buckets, comm_dtype=config.communication_dtype, stage=config.stage, store=store, pool=pool,
-            tap=integrity, shard=shard,
+            tap=integrity, shard=shard, replicated=replicates(buckets, stage=config.stage, shard=shard,
+            offloaded=store.offloaded),
         )  # fmt: skip
     master = MasterRows(slots, buckets, offload=offload, pin_memory=pin, dtype=config.master_dtype, shard=shard)
     precision = make_master_precision(

@@ -298,7 +298,10 @@ class LowLevelZeroOptimizer(OptimizerFacade):
             stale = sync.stale_reads
             table = self.integrity.verify_launch()  # a verify step's numbers ride along: [Note: one host sync per step]
             squares = [self.reducer.store.taken_square(bucket) for bucket in self.buckets]
-            verdict = self._parts.stats.decide(reduced, sync.used, len(stale), extra=table, squares=squares)
+            summed = self.reducer.replicated_totals() if table is None else None  # [Note: replicated reduction]
+            verdict = self._parts.stats.decide(
+                reduced, sync.used, len(stale), extra=table, squares=squares, summed=summed
+            )
             if table is not None:  # raises IntegrityError on every rank, before anything is updated
                 self.integrity.verify_judge(verdict.extra.view(self.world_size, -1))
             if verdict.stale_reads:

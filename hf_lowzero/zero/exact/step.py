@@ -52,11 +52,18 @@ class ExactStepStats:
         self.last_skip: str | None = None  # why the newest decision skipped the step
 
     def decide(
-        self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None, squares=None
+        self,
+        reduced: list[torch.Tensor | None],
+        used: torch.Tensor,
+        stale_reads: int,
+        extra=None,
+        squares=None,
+        summed=None,
     ) -> StepVerdict:
         """Collective: two all-reduces and two host syncs. ``reduced``: this rank's gradient chunks
         (the store's, written here); ``squares`` (the float norms offload takes before its copies) is
-        not read, the exact norm comes from the integer sums; the rest as ``StepStats.decide``.
+        not read, the exact norm comes from the integer sums; ``summed`` is always None (an exact
+        reduction is never replicated); the rest as ``StepStats.decide``.
         """
         reducer, n = self.reducer, len(self.numels)
         held = [bucket for bucket in reducer.buckets if reducer.holds[bucket.index]]

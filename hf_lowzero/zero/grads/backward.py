@@ -159,7 +159,11 @@ class BackwardSync:
             present = [i for i, g in zip(self._member_lists[bucket.index], grads) if g is not None]
             members = torch.tensor(present, dtype=torch.long)
         self.used[members] = True
-        return self.reducer.launch(bucket, grads)
+        if not self.reducer.replicated:
+            return self.reducer.launch(bucket, grads)
+        # [Note: replicated reduction]: the flags travel with the one bucket, final now (it is the last)
+        self.close_stale_candidates()
+        return self.reducer.launch(bucket, grads, flags=(self.used, bool(self.stale_reads)))
 
     def _queue_flush(self) -> None:
         # A bare loss.backward(): flush from an end-of-backward callback, queued by the first

@@ -15,6 +15,9 @@ micro-batches of one step:
 Both free ``p.grad`` as soon as it is copied into a bucket and average by pre-dividing by the
 world size before a SUM collective, as DDP does.
 
+Stage 1 on a model of one small bucket all-reduces it instead, with the step's flags appended, so
+the step needs no collective of its own ([Note: replicated reduction] in ``replicated.py``).
+
 A ``ReductionTap`` sees each bucket packed and reduced: the integrity checks
 (``integrity/checker.py``) are one, and the reducer knows them by that protocol only.
 
@@ -33,6 +36,7 @@ from typing import Protocol
 import torch
 
 from hf_lowzero.zero.grads.grad_store import DeviceGradStore
+from hf_lowzero.zero.grads.replicated import ReplicatedTotals, trailer_numel, write_trailer
 from hf_lowzero.zero.layout.buckets import Bucket, Reduction
 from hf_lowzero.zero.layout.packing import pack_bucket, pack_plan
 from hf_lowzero.zero.runtime import comm
@@ -81,6 +85,7 @@ class BucketReducer:
         pool: BufferPool,
         tap: ReductionTap,
         shard: ShardGroup,
+        replicated: bool = False,
     ) -> None:
         self.buckets = buckets
         self.tap = tap  # sees each bucket after packing and after its collective
@@ -101,10 +106,14 @@ class BucketReducer:
         ]
         self.pack_plans = [pack_plan(b, world_size=shard.world_size) for b in buckets]  # their params, packing order
         self.averages = comm.premultiplies(shard.group)  # the collective divides ([Note: the divide in the collective])
+        self.replicated = replicated  # [Note: replicated reduction]: its one bucket is all-reduced, flags appended
+        self._totals: ReplicatedTotals | None = None  # this step's, while its one reduction is the only one
+        self._kept: list[torch.Tensor] = []  # the pooled buffer ``_totals`` reads, until ``clear``
 
-    def launch(self, bucket: Bucket, grads: list | None = None) -> Reduction:
+    def launch(self, bucket: Bucket, grads: list | None = None, flags: tuple | None = None) -> Reduction:
         """Pack ``bucket``'s gradients (``grads``, read from its params' ``.grad``, or read now),
-        free them, and start its collective."""
+        free them, and start its collective. ``flags``: (this rank's used flags, whether it read a
+        param stale), appended where ``replicated`` ([Note: replicated reduction])."""
         dtype = self.comm_dtype or bucket.dtype
         direct = self.store.direct_target(bucket, dtype, first=not self.holds[bucket.index])
         taken = []  # pooled buffers this bucket holds until its collective is done
@@ -113,6 +122,8 @@ class BucketReducer:
             with profiler_range("hf_lowzero::pack_bucket"):
                 pack_bucket(bucket, out, world_size=1, plan=self.pack_plans[bucket.index], grads=grads)
             return Reduction(bucket, None, out, tuple(taken))
+        if self.replicated:
+            return self._launch_replicated(bucket, dtype, grads, flags, taken)
         flat = self.take(bucket.packed_numel, dtype, bucket.device, taken)
         average = self.averages and not bucket.whole
         with profiler_range("hf_lowzero::pack_bucket"):
@@ -120,6 +131,17 @@ class BucketReducer:
             pack_bucket(bucket, flat, world_size=self.shard.world_size, plan=plan, grads=grads, divide=not average)
         self.tap.after_pack(bucket, flat, divided=not average)
         return self.start(bucket, flat, direct, taken, average)
+
+    def _launch_replicated(self, bucket: Bucket, dtype: torch.dtype, grads, flags: tuple, taken: list) -> Reduction:
+        used, stale = flags
+        whole = self.take(bucket.packed_numel + trailer_numel(used.numel()), dtype, bucket.device, taken)
+        flat = whole[: bucket.packed_numel]
+        with profiler_range("hf_lowzero::pack_bucket"):
+            plan = self.pack_plans[bucket.index]
+            pack_bucket(bucket, flat, world_size=self.shard.world_size, plan=plan, grads=grads, divide=True)
+        write_trailer(whole[bucket.packed_numel :], used, stale)
+        self.tap.after_pack(bucket, flat, divided=True)
+        return Reduction(bucket, comm.all_reduce(whole, self.shard.group, async_op=True), whole, tuple(taken))
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, taken: list) -> torch.Tensor:
         """A pooled buffer, recorded in ``taken`` (given back once the bucket's collective is done)."""
@@ -154,13 +176,37 @@ class BucketReducer:
         bucket = reduction.bucket
         with profiler_range("hf_lowzero::reduce_wait"):
             comm.wait(reduction.work)  # on gloo also the local sum of the received chunks
+        out, buffers = reduction.out, reduction.buffers
+        if self.replicated:  # every rank's chunk, then the flags: keep them for the step
+            out, buffers = self._keep(bucket, out, buffers)
         if self.shard.world_size > 1:
-            self.tap.after_reduce(bucket, reduction.out)
+            self.tap.after_reduce(bucket, out)
         with profiler_range("hf_lowzero::accept_chunk"):
-            self.store.accept(bucket, reduction.out, first=not self.holds[bucket.index])
-        for buffer in reduction.buffers:
+            self.store.accept(bucket, out, first=not self.holds[bucket.index])
+        for buffer in buffers:
             self.pool.give(buffer)
         self.holds[bucket.index] = True
+
+    def _keep(self, bucket: Bucket, whole: torch.Tensor, buffers: tuple) -> tuple[torch.Tensor, tuple]:
+        """This rank's chunk of a replicated all-reduce; the totals kept while it is the step's only one."""
+        row, rank = bucket.row_numel, self.shard.rank
+        chunks = tuple(whole[r * row : (r + 1) * row] for r in range(self.shard.world_size))
+        self._release()
+        if self.holds[bucket.index]:  # a second reduction this step: the norm is the store's sum's
+            return chunks[rank], buffers
+        self._totals = ReplicatedTotals(chunks, whole[bucket.packed_numel :])
+        self._kept = list(buffers)
+        return chunks[rank], ()
+
+    def _release(self) -> None:
+        for buffer in self._kept:
+            self.pool.give(buffer)
+        self._kept, self._totals = [], None
+
+    def replicated_totals(self) -> ReplicatedTotals | None:
+        """[Note: replicated reduction]: what this step's all-reduce brought back, where it was the
+        step's only reduction; None otherwise (the step then all-reduces its stats)."""
+        return self._totals
 
     def reduced(self, bucket: Bucket) -> torch.Tensor | None:
         """This rank's averaged gradient chunk of ``bucket`` (1D, ``row_numel``), or None: fp32, or
@@ -174,4 +220,5 @@ class BucketReducer:
     def clear(self) -> None:
         """Forget all gradients (after ``step`` or on ``zero_grad``)."""
         self.store.clear()
+        self._release()
         self.holds = [False] * len(self.buckets)

@@ -25,6 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from hf_lowzero.zero.grads.norm import blocked_squared_norm, float64_squared_norm
+from hf_lowzero.zero.grads.replicated import ReplicatedTotals
 from hf_lowzero.zero.runtime import comm
 from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
@@ -49,7 +50,9 @@ class SkipCounts:
 # written on the device, one all-reduce sums it, and one copy brings it back: the step's only host
 # sync (on a verify step the integrity table comes back in the same copy). Only when the total is
 # not finite does the float64 norm decide ([Note: blocked norm] in ``grads/norm.py``): every rank sees the
-# same total, so all take that rare second round together.
+# same total, so all take that rare second round together. Where the gradients' one all-reduce
+# brought the vector back already ([Note: replicated reduction] in ``grads/replicated.py``), the
+# copy is the step's only synchronization.
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,22 @@ class StepStats:
         self.host = dev.host_buffer(2 + slots, torch.float64, shard.device)
 
     def decide(
-        self, reduced: list[torch.Tensor | None], used: torch.Tensor, stale_reads: int, extra=None, squares=None
+        self,
+        reduced: list[torch.Tensor | None],
+        used: torch.Tensor,
+        stale_reads: int,
+        extra=None,
+        squares=None,
+        summed: ReplicatedTotals | None = None,
     ) -> StepVerdict:
         """Collective: one all-reduce and one host sync. ``reduced``: this rank's gradient chunks
         (on the device, or in host memory with offload); ``used``: this rank's flags (bool per
         slot, host); ``stale_reads``: this rank's count; ``extra``: a float64 device tensor to bring
         back in the same copy (the integrity table), or None; ``squares``: per chunk, its squared
-        norm when already taken (``taken_square``: [Note: the norm before the copy]), or None."""
+        norm when already taken (``taken_square``: [Note: the norm before the copy]), or None;
+        ``summed``: the totals of a replicated reduction (then no all-reduce; ``extra`` must be None)."""
+        if summed is not None:
+            return self._verdict(summed.stats().cpu(), None, summed.rows, reduce=False)
         rows = [chunk for chunk in reduced if chunk is not None]
         squares = squares or [None] * len(reduced)
         held = [(chunk, square) for chunk, square in zip(reduced, squares) if chunk is not None]
@@ -100,10 +112,17 @@ class StepStats:
         else:
             both = torch.cat([stats, extra.reshape(-1)]).cpu()
             back, extra_back = both[: stats.numel()], both[stats.numel() :]
+        return self._verdict(back, extra_back, lambda: rows, reduce=True)
+
+    def _verdict(self, back: torch.Tensor, extra_back, rows, reduce: bool) -> StepVerdict:
+        """The verdict from the summed vector on the host; ``rows()``: the gradient rows whose float64
+        norm decides when the blocked one is not finite (this rank's, summed over ranks where
+        ``reduce``, or every rank's)."""
         total = back[0].item()
         if not math.isfinite(total):  # every rank sees the same total: all recompute together
-            exact = float64_squared_norm(rows).reshape(1).to(self.shard.device)
-            comm.all_reduce(exact, self.shard.group)
+            exact = float64_squared_norm(rows()).reshape(1).to(self.shard.device)
+            if reduce:
+                comm.all_reduce(exact, self.shard.group)
             total = exact.item()
         stale_reads = 0 if is_fake(back) else int(back[1].item())  # a simulation: no values (it checks reads itself)
         return StepVerdict(math.sqrt(total), back[2:] > 0, stale_reads, extra_back)
