@@ -235,8 +235,8 @@ def scaling_rows(plans: list[MemoryPlan], price: Price | None = None) -> list[Sc
             row.step_time_s, row.tokens_per_s_per_device = best.step_time_s, best.tokens_per_s
         if row.tokens_per_s_per_device is not None:
             row.tokens_per_s = row.tokens_per_s_per_device * plan.world_size
-            if base is not None and base.tokens_per_s:
-                linear = base.tokens_per_s * base_size * plan.world_size / base_size
+            if base is not None:  # the base's tokens/s over all its devices, times the ratio of world sizes
+                linear = (base.tokens_per_s * base_size) * (plan.world_size / base_size)
                 row.efficiency = row.tokens_per_s / linear
             if price is not None:
                 row.cost = price.cost(plan.world_size, row.tokens_per_s)
