@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ from hf_lowzero import LowZeroTrainer, consolidate_checkpoint  # noqa: E402
 from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
 from hf_lowzero.ray.faults import FAILURE_MARKER  # noqa: E402
 from hf_lowzero.ray.reporting import stage_owned_files  # noqa: E402
-from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, build_trainer, run_finetune  # noqa: E402
+from hf_lowzero.recipes.clm_ray import RayFinetuneConfig, RunSummary, build_trainer, run_finetune  # noqa: E402
 from hf_lowzero.recipes.clm_ray.attempts import count_attempts  # noqa: E402
 from hf_lowzero.testing import run_distributed  # noqa: E402
 from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
@@ -53,6 +54,7 @@ ATTEMPT_LINE = re.compile(r"^\[hf_lowzero\] attempt (\d+): (?:resuming at step (
 STEP_LINE = re.compile(
     r"^step +(\d+)/(\d+) \[[#.]{20}\] +\d+% \| loss (\d+\.\d{4}) \| lr \S+ \| grad_norm \S+ \| world 2$"
 )
+UNPREDICTED_STEP_TIME = r"measured median ([0-9.]+) (ms|s) over (\d+) steps; no plan predicted it .*\(last attempt\)"
 KNOWN_NOISE = (
     "Failed to query Ray Train Controller",  # PlacementGroupCleaner without a state API
     "Found multiple active Ray instances",  # ... guessing which cluster to ask
@@ -78,7 +80,7 @@ def killed_job(tmp_path_factory):
     run = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
     console = ANSI.sub("", run.stdout)
     assert run.returncode == 0, console[-5000:]
-    summary = dict(re.findall(r"^(final loss|restarts survived|checkpoint|model) +(.*)$", console, re.M))
+    summary = dict(re.findall(r"^(final loss|step time|restarts survived|checkpoint|model) +(.*)$", console, re.M))
     return console.splitlines(), summary, storage
 
 
@@ -146,6 +148,19 @@ def test_summary_counts_the_restart_and_names_the_final_checkpoint(killed_job):
     assert final.name == f"checkpoint-{STEPS}" and final.parent.parent == storage / "killed"
     assert summary["final loss"] == f"{trainer_losses(final)[STEPS]:.4f} at step {STEPS}/{STEPS}"
     assert summary["model"].split()[0] == str(storage / "killed" / "export")
+
+
+def test_each_attempt_starts_with_how_to_plan_and_the_summary_has_its_last_steps_time(killed_job):
+    """No plan runs at a given stage: each attempt's first lines say how to get one (issue 56), and the
+    summary's step time is the median of the last attempt's steps, from step SAVE + 1 to the end."""
+    lines, summary, _ = killed_job
+    hints = [line for line in lines if "[hf_lowzero] plan: no step time predicted for stage 2 (no plan ran)" in line]
+    assert len(hints) == 2 and all(
+        line.endswith("--zero-stage auto plans the job as it starts and predicts its step time here") for line in hints
+    )
+    measured = re.fullmatch(UNPREDICTED_STEP_TIME, summary["step time"])
+    assert measured is not None, summary["step time"]
+    assert int(measured.group(3)) == STEPS - SAVE and float(measured.group(1)) > 0
 
 
 def test_exported_model_loads_with_from_pretrained_and_holds_the_consolidated_weights(killed_job):
@@ -241,8 +256,15 @@ def test_auto_stage_on_ray_workers_is_one_choice_for_all_ranks(local_ray, tmp_pa
     else:
         stage = 0
         assert (auto_dir / "optimizer.pt").exists()  # DDP's files
+    # the job's step-time lines (issue 56): the plan's prediction for the stage it took, against its own steps
+    times, predicted = auto.return_value["step_times_s"], auto.return_value["predicted_step_s"]
+    assert len(times) == SAVE and min(times) > 0 and predicted > 0
+    median = statistics.median(times)
+    summary = str(RunSummary(auto, SAVE, 0.0, restarts=0, trainer_checkpoint=None, export_dir=None))
+    assert f"measured/predicted {median / predicted:.2f}" in summary and f"over {SAVE} steps" in summary
     by_hand = run_finetune(RayFinetuneConfig(**common, zero_stage=stage, name=f"stage{stage}"))
     assert by_hand.error is None
+    assert by_hand.return_value["predicted_step_s"] is None and len(by_hand.return_value["step_times_s"]) == SAVE
     assert trainer_losses(auto_dir) == trainer_losses(next(Path(by_hand.checkpoint.path).glob("checkpoint-*")))
 
 

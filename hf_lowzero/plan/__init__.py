@@ -8,12 +8,15 @@ Example::
 
 or ``python -m hf_lowzero.trainer.plan_cli --model path/to/model --world-size 8 --device-memory 80GiB --bf16``.
 Without a device size: ``plan_devices`` (every setup's peak and the smallest common device it fits).
+Several world sizes: ``plan_scaling`` (each size's plan and the scaling table); a cost: ``Price``.
 """
 
+from hf_lowzero.plan.cost import Price
 from hf_lowzero.plan.devices import COMMON_DEVICES, DeviceFits, plan_devices, smallest_device
 from hf_lowzero.plan.planner import plan_memory
 from hf_lowzero.plan.report import MemoryPlan, PlanRow, format_bytes
 from hf_lowzero.plan.request import parse_bytes
+from hf_lowzero.plan.scaling import ScalingPlan, ScalingRow, plan_scaling
 from hf_lowzero.plan.simulate import simulate_step
 from hf_lowzero.plan.step_records import PARTS, Setup, StepMemory, TrainingSpec
 
@@ -23,6 +26,9 @@ __all__ = [
     "DeviceFits",
     "MemoryPlan",
     "PlanRow",
+    "Price",
+    "ScalingPlan",
+    "ScalingRow",
     "Setup",
     "StepMemory",
     "TrainingSpec",
@@ -30,6 +36,7 @@ __all__ = [
     "parse_bytes",
     "plan_devices",
     "plan_memory",
+    "plan_scaling",
     "simulate_step",
     "smallest_device",
 ]

@@ -108,9 +108,11 @@ class DeviceFits:
                 "fits_host": self.fits_host(r),
                 "smallest_device_bytes": self.smallest[r.label],
                 **{name: getattr(r, name) for name in TIME_COLUMNS},
+                **({"cost": r.cost} if self.plan.price is not None else {}),
             }
             for r in self.plan.rows
         ]
+        keep += ("price",) if self.plan.price is not None else ()
         plan = {k: getattr(self.plan, k) for k in keep}
         return plan | {"reserve": self.reserve, "device_sizes": list(self.sizes), "rows": rows}
 

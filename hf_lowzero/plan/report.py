@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hf_lowzero.plan.cost import format_cost, format_tokens
 from hf_lowzero.plan.step_records import PARTS
 
 
@@ -60,6 +61,8 @@ class PlanRow:
         mfu: Matmul FLOPs per second over the device's peak for the training dtype.
         comm_hidden: The share of the collectives' time overlapped with other work; None: none sent.
         host_s: The host's own work in one step (offload's optimizer step).
+        cost: What training the plan's ``price`` asks for costs with this setup ([Note: the cost of tokens]
+            in ``cost.py``); None without a price.
     """
 
     stage: int
@@ -79,6 +82,7 @@ class PlanRow:
     mfu: float | None = None
     comm_hidden: float | None = None
     host_s: float | None = None
+    cost: float | None = None  # with a price (cost.py's Price.apply)
 
 
 @dataclass
@@ -103,6 +107,8 @@ class MemoryPlan:
         reason: Why that row, or what would fit.
         checked_batch: The setup and batch the largest batch was checked at by a simulation of its own.
         simulated_on: ``"cuda"`` (fake GPUs, the GPU code paths) or ``"cpu"`` (fake CPU tensors).
+        timed_for: The target the time columns are for (``Target.describe``).
+        price: The price the rows' ``cost`` is for: ``per_device_hour`` and ``tokens``; None: no cost.
     """
 
     model: str
@@ -122,6 +128,7 @@ class MemoryPlan:
     checked_batch: dict[str, int] = field(default_factory=dict)
     simulated_on: str = "cpu"  # "cuda": fake GPUs, the GPU code paths ([Note: planning on fake GPUs])
     timed_for: dict[str, Any] = field(default_factory=dict)  # the Target the times are for (Target.describe)
+    price: dict[str, float] | None = None  # cost.py's Price.describe, set by Price.apply
 
     def row(self, stage: int, offload: bool = False) -> PlanRow:
         """The row of one setup.
@@ -145,9 +152,13 @@ class MemoryPlan:
             The plan's fields by name.
         """
         plain = asdict(self)
+        if self.price is None:  # no price, no cost: the JSON of a plan without one is as it always was
+            del plain["price"]
         for row in [*plain["rows"], plain["recommended"]]:
             if row is not None:
                 row["setup"] = row["label"]
+                if self.price is None:
+                    del row["cost"]
         return plain
 
     def to_text(self) -> str:
@@ -220,21 +231,30 @@ def time_table(plan: MemoryPlan) -> list[str]:
         f"{t['host_threads']} host thread(s) per rank): the simulated step, priced and scheduled (docs/plan.md)"
     )
     table = [["setup", "step time", "tokens/s/device", "MFU", "comm hidden", "host part"]]
+    if plan.price is not None:
+        table[0].append(cost_title(plan.price))
     for r in plan.rows:
         table.append(
             [
                 r.label + (f" [{r.partition}]" if r.partition == "params" else ""),
-                _seconds(r.step_time_s),
+                seconds_text(r.step_time_s),
                 f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
                 f"{r.mfu:.1%}" if r.mfu is not None else "-",
                 f"{r.comm_hidden:.0%}" if r.comm_hidden is not None else "-",
-                _seconds(r.host_s) if r.offload and r.host_s is not None else "-",
+                seconds_text(r.host_s) if r.offload and r.host_s is not None else "-",
+                *([format_cost(r.cost)] if plan.price is not None else []),
             ]
         )
     return ["", title, "", *format_table(table)]
 
 
-def _seconds(value: float | None) -> str:
+def cost_title(price: dict[str, float]) -> str:
+    """The cost column's title: ``cost of 1B tokens at 2.5/device-hour``."""
+    return f"cost of {format_tokens(price['tokens'])} tokens at {price['per_device_hour']:g}/device-hour"
+
+
+def seconds_text(value: float | None) -> str:
+    """A time for a table: ``50.3 ms``, ``1.2 s``; ``-`` for none."""
     if value is None:
         return "-"
     return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"

@@ -11,7 +11,8 @@ Example::
 Flags after the plan's own are ``TrainingArguments`` flags (``LowZeroTrainingArguments``: the
 ``--zero_*`` knobs too), exactly as the training script takes them. Without ``--device-memory`` it
 plans for this machine's GPU, or without one prints every setup's peak and the smallest common
-device it fits (``devices.py``).
+device it fits (``devices.py``). ``--world-size 8,16,32`` plans each size and adds a scaling table
+(``plan/scaling.py``); ``--price-per-device-hour 2.5 [--tokens 1e9]`` a cost column (``plan/cost.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a model directory, a config.json, or a Hugging Face Hub id (its config only: from the local cache, "
         "or from the Hub when online)",
     )
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs) in all")
+    parser.add_argument(
+        "--world-size",
+        default="1",
+        help="data-parallel ranks (GPUs) in all; several, such as 8,16,32: the largest one's plan, then a scaling "
+        "table (each size's recommended setup, its step time, tokens/s and efficiency against linear scaling)",
+    )
     parser.add_argument(
         "--device-memory",
         default=None,
@@ -76,6 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         "--inter-node", default=None, help="a node's network, e.g. 100Gb/s or 3200Gb/s (default: the device's)"
     )
     timing.add_argument("--host-threads", type=int, default=None, help="host threads per rank (default 4; cpu: all)")
+    timing.add_argument(
+        "--price-per-device-hour",
+        default=None,
+        help="what one device costs per hour, in your currency: adds the cost of training --tokens tokens with "
+        "each setup (and at each world size)",
+    )
+    timing.add_argument(
+        "--tokens",
+        default=None,
+        help="the tokens --price-per-device-hour prices, e.g. 1e9, 500M or 2B (default 1e9)",
+    )
     parser.add_argument(
         "--json",
         nargs="?",
@@ -84,6 +101,22 @@ def main(argv: list[str] | None = None) -> int:
         help="print the plan as JSON instead of the table; --json FILE: also write it to FILE",
     )
     own, rest = parser.parse_known_args(argv)
+
+    from hf_lowzero.plan.cost import DEFAULT_TOKENS, Price
+    from hf_lowzero.plan.scaling import parse_world_sizes, plan_scaling
+
+    try:  # checked before anything runs
+        world_sizes = parse_world_sizes(own.world_size)
+        price = None
+        if own.price_per_device_hour is not None:
+            price = Price.of(own.price_per_device_hour, own.tokens if own.tokens is not None else DEFAULT_TOKENS)
+        elif own.tokens is not None:
+            raise ValueError(
+                f"--tokens {own.tokens} names the tokens --price-per-device-hour prices; give the price too "
+                "(e.g. --price-per-device-hour 2.5), or drop --tokens"
+            )
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
     from transformers import HfArgumentParser
 
@@ -103,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     targets = own.lora_targets.split(",") if own.lora_targets else None
     options = dict(
-        world_size=own.world_size,
+        world_size=world_sizes[0],
         seq_len=own.seq_len,
         host_memory=own.host_memory,
         ranks_per_node=own.ranks_per_node,
@@ -135,13 +168,25 @@ def main(argv: list[str] | None = None) -> int:
             f"Planning for this machine's GPU 0, {name} ({format_bytes(device_memory)}); --device-memory SIZE "
             "plans another size\n"
         )
+    if len(world_sizes) > 1 and device_memory is None:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --world-size {own.world_size} compares the recommended setup at each size, which "
+            "needs a device size: give --device-memory (e.g. 80GiB) or --device (e.g. H100)\n",
+        )
     try:
-        if device_memory is None:
+        if len(world_sizes) > 1:
+            del options["world_size"]
+            plan = plan_scaling(own.model, args, world_sizes=world_sizes, price=price, device_memory=device_memory,
+                                **options)  # fmt: skip
+        elif device_memory is None:
             plan = plan_devices(own.model, args, **options)
         else:
             plan = plan_memory(own.model, args, device_memory=device_memory, **options)
     except (ValueError, TypeError, OSError) as e:  # OSError: e.g. a config.json that is not JSON
         parser.exit(2, f"{parser.prog}: error: {e}\n")  # one line and exit status 2, as argparse's errors
+    if price is not None and len(world_sizes) == 1:
+        price.apply(plan.plan if device_memory is None else plan)
     text = json.dumps(plan.to_dict(), indent=2)  # the table and the JSON: one record, the plan's rows
     print(text if own.json == "-" else plan.to_text())
     if own.json not in (None, "-"):
@@ -150,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         from hf_lowzero.checkpoint.shards import atomic_write
 
         atomic_write(Path(own.json), lambda tmp: Path(tmp).write_text(text))
-    fits = plan.fits_any if device_memory is None else plan.recommended is not None
+    if len(world_sizes) > 1:
+        fits = plan.fits_everywhere
+    else:
+        fits = plan.fits_any if device_memory is None else plan.recommended is not None
     return 0 if fits else 1
 
 

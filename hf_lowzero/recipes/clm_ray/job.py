@@ -46,6 +46,7 @@ from hf_lowzero.ray.run_config import merge_run_config, with_job_callbacks
 from hf_lowzero.recipes.clm import clm_trainer
 from hf_lowzero.recipes.clm_ray.attempts import record_attempt
 from hf_lowzero.recipes.clm_ray.job_config import RayFinetuneConfig
+from hf_lowzero.trainer.step_clock import PlannedStepTime
 
 
 def run_finetune(config: RayFinetuneConfig, **build_kwargs) -> ray.train.Result:
@@ -124,15 +125,16 @@ def train_loop_per_worker(
     config_dict: dict[str, Any], trainer_callbacks: Sequence[TrainerCallback] = ()
 ) -> dict[str, float]:
     """Runs on every Ray worker (process group already initialized by Ray Train), once per attempt.
-    Returns the seconds training waited on checkpoint reports and their count (rank 0's become
-    ``Result.return_value``).
+    Returns the seconds training waited on checkpoint reports and their count, each step's time and
+    the plan's prediction of it (rank 0's become ``Result.return_value``).
 
     Args:
         config_dict: The job's ``RayFinetuneConfig`` as a dict (``dataclasses.asdict``).
         trainer_callbacks: Further ``TrainerCallback`` objects to add to the Trainer.
 
     Returns:
-        ``{"checkpoint_wait_s": ..., "checkpoints_reported": ...}`` of this worker.
+        ``{"checkpoint_wait_s": ..., "checkpoints_reported": ..., "step_times_s": [...], "predicted_step_s": ...}``
+        of this worker, this attempt (``predicted_step_s`` None when no plan ran: ``zero_stage`` not "auto").
 
     Raises:
         ValueError: ``config_dict`` is not a valid configuration, or ``zero_stage="auto"`` finds that
@@ -155,10 +157,32 @@ def train_loop_per_worker(
         trainer.add_callback(InjectCorruption(config.inject_corruption_at_step, run_dir))
     for callback in trainer_callbacks:
         trainer.add_callback(callback)
+    # the plan's step time in one line now, the measured one in the summary's ([Note: the measured step])
+    clock = PlannedStepTime(getattr(trainer, "memory_plan", None), how_to_plan=_how_to_plan(config, trainer.args))
+    trainer.add_callback(clock)
     try:
         trainer.train(resume_from_checkpoint=resume_checkpoint())
         dist.barrier()  # ranks on one node share output_dir: none removes it while another works in it
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)  # everything worth keeping was reported
     (report,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ReportShardedCheckpoints)]
-    return {"checkpoint_wait_s": report.checkpoint_wait_s, "checkpoints_reported": report.checkpoints_reported}
+    return {
+        "checkpoint_wait_s": report.checkpoint_wait_s,
+        "checkpoints_reported": report.checkpoints_reported,
+        "step_times_s": clock.step_times_s,
+        "predicted_step_s": clock.predicted_s,
+    }
+
+
+def _how_to_plan(config: RayFinetuneConfig, args) -> str:
+    """What the start's line says when no plan ran: the job's flag, and with a model folder the plan's command."""
+    hint = "--zero-stage auto plans the job as it starts and predicts its step time here"
+    if config.model_name_or_path is None:  # the built-in tiny GPT-2: no folder for the command to read
+        return hint
+    device = "H100" if config.use_gpu else "cpu --device-memory 8GiB"  # or the workers' GPU's name
+    return (
+        f"{hint}; or, beforehand: python -m hf_lowzero.plan --model {config.model_name_or_path} --world-size "
+        f"{args.world_size} --device {device} --seq-len {config.clm_arguments().block_size} "
+        f"--per_device_train_batch_size {args.per_device_train_batch_size} "
+        f"--gradient_accumulation_steps {args.gradient_accumulation_steps}"
+    )
