@@ -67,11 +67,13 @@ def optimizer(work: Path) -> dict:
 
 
 def ray_local(work: Path) -> dict:
-    """A local Ray instance (2 CPUs), and ``storage``: a folder for the run's checkpoints."""
+    """A local Ray instance of its own (2 CPUs), and ``storage``: a folder for the run's checkpoints."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": without it ray.init() joins the newest Ray instance on this machine, another
+    # test lane's cluster included (.ci/run), and refuses num_cpus there.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})  # fmt: skip
     return dict(storage=str(work / "storage"))
 

@@ -23,7 +23,7 @@ from ray.job_submission import JobSubmissionClient  # noqa: E402
 
 from hf_lowzero.recipes.clm_ray import RayFinetuneConfig  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
-from tests.tiers import ray_run  # noqa: E402
+from tests.tiers import ray_nodes_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ray_jobs"))  # the fake cluster is demo and test code, not the library's
@@ -68,7 +68,7 @@ def trial_results(storage: Path) -> dict[tuple[float, int], tuple[float, dict]]:
     return results
 
 
-@ray_run
+@ray_nodes_run
 def test_sweep_trials_get_worker_nodes_that_go_when_idle(cluster, tmp_path):
     assert cluster.alive_worker_nodes() == []
     head = cluster.head_node_id()
@@ -99,7 +99,7 @@ def test_sweep_trials_get_worker_nodes_that_go_when_idle(cluster, tmp_path):
     assert "error=True" not in out
 
 
-@ray_run
+@ray_nodes_run
 def test_submitted_job_trains_on_a_new_worker_node(cluster, tmp_path):
     cluster.wait_for_worker_nodes(lambda n: n == 0, timeout_s=SCALE_DOWN_S)
     before = cluster.train_worker_placements()

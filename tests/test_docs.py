@@ -128,6 +128,20 @@ def test_ci_runs_the_readme_test_command_as_given():
     assert installs == [], f".ci/run installs extras before the README's command: {installs}"
 
 
+def test_ci_runs_every_slow_test_in_one_lane_that_prints_its_15_slowest():
+    """.ci/run's slow-tier lanes (tests/tiers.py): their marker expressions split the slow tier with no test in two
+    lanes and none left out, and each lane prints its 15 slowest tests."""
+    text = (ROOT / ".ci/run").read_text()
+    runs = [line for line in text.splitlines() if "python -m pytest" in line and '"not slow"' not in line]
+    assert runs and all("--durations=15" in line for line in runs), runs
+    expressions = re.findall(r'-m "([^"$]+)"', text) + re.findall(r'^ray_lane \w+ "([^"]+)"$', text, re.M)
+    lanes = [m for m in expressions if m != "not slow"]
+    assert len(lanes) == 3, lanes
+    for marks in [{"slow"}, {"slow", "ray_cluster"}, {"slow", "ray_cluster", "ray_nodes"}, {"slow", "ray_nodes"}]:
+        chosen = [m for m in lanes if eval(m, {}, {k: k in marks for k in ("slow", "ray_cluster", "ray_nodes")})]
+        assert len(chosen) == 1, (marks, chosen)
+
+
 def _commands(block: Block) -> list[str]:
     """The block's commands, its lines joined at ``\\``, comments and installs (``pip ... &&``) left out."""
     text = re.sub(r"\\\n\s*", " ", block.code)

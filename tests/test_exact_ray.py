@@ -32,7 +32,7 @@ from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of  # noqa: E402
 from tests.ray_clusters import with_slots  # noqa: E402
 from tests.ray_holds import HOLD_TIMEOUT_S, HoldAt, final_tensors, loss_curve, wait_for, zero_metadata  # noqa: E402
-from tests.tiers import ray_run  # noqa: E402
+from tests.tiers import ray_nodes_run  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
 
@@ -106,7 +106,7 @@ def assert_same_bits(result, fixed) -> None:
     assert grid is not None and zero_metadata(result)["exact_grid"] == grid
 
 
-@ray_run
+@ray_nodes_run
 def test_an_elastic_run_ends_with_the_fixed_runs_bits(cluster, fixed, dropout_model, tmp_path):
     with_slots(cluster, 2)
     signals = tmp_path / "signals"
@@ -126,7 +126,7 @@ def test_an_elastic_run_ends_with_the_fixed_runs_bits(cluster, fixed, dropout_mo
     assert_same_bits(result, fixed)
 
 
-@ray_run
+@ray_nodes_run
 def test_an_elastic_run_resumed_from_memory_snapshots_ends_with_the_fixed_runs_bits(
     cluster, fixed, dropout_model, tmp_path
 ):

@@ -48,7 +48,7 @@ from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
 from tests.ray_clusters import with_slots  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster]  # long Ray runs: the second tier (tests/tiers.py)
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster, pytest.mark.ray_nodes]  # tests/tiers.py
 STEPS, SAVE, KILL_AT = 10, 4, 6
 HOLD_TIMEOUT_S = 240
 

@@ -2,10 +2,18 @@
 2-core machine) and ``-m slow`` (``.ci/run`` runs it after): long Ray runs, launcher subprocesses,
 and the larger world sizes and longer parity runs of tests whose smaller cases stay fast.
 
-``.ci/run`` runs the slow tier in two lanes at once: the tests marked ``ray_cluster`` (each starts a
-Ray cluster, and spends most of its time waiting on Ray: worker starts, polls, restarts) one at a
-time, beside the rest (ranks that keep the cores busy). Two Ray tests never run at once: they would
-see each other's snapshot holders and folders. Mark every slow test that starts Ray ``@ray_run``."""
+``.ci/run`` runs the slow tier in three lanes at once, each printing its 15 slowest tests:
+
+- the tests marked ``ray_cluster`` (each starts Ray, and spends most of its time waiting on it:
+  worker starts, polls, restarts), in two lanes: those marked ``ray_nodes`` too (a multi-node
+  cluster on this machine: ``tests/ray_clusters.py``, the fake autoscaling cluster), and the others
+  (the jobs and guides on a local Ray instance);
+- the rest (ranks that keep the cores busy).
+
+Within a lane the Ray tests run one at a time. Each Ray lane has its own ``HF_LOWZERO_SNAPSHOT_DIR``
+and ``RAY_TMPDIR``: otherwise one lane's tests would see the other's snapshot folders, and a
+``ray.init()`` without an address would join the other's newest cluster. Mark every slow test that
+starts Ray ``@ray_run`` (``@ray_nodes_run`` on a multi-node cluster)."""
 
 from __future__ import annotations
 
@@ -19,5 +27,10 @@ def slow(value):
 
 
 def ray_run(test):
-    """A slow test that starts a Ray cluster (or a job that does): the slow tier's Ray lane."""
+    """A slow test that starts a Ray cluster (or a job that does): the slow tier's first Ray lane."""
     return pytest.mark.ray_cluster(pytest.mark.slow(test))
+
+
+def ray_nodes_run(test):
+    """A slow test on a multi-node Ray cluster of this machine: the slow tier's second Ray lane."""
+    return pytest.mark.ray_nodes(ray_run(test))
