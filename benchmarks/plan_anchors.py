@@ -72,7 +72,10 @@ def rows() -> list[dict]:
     """One row per anchor and stage: reported against predicted tokens/s per GPU."""
     table = []
     for name, anchor in ANCHORS.items():
-        plan = json.loads((RESULTS / f"plan_anchor_{slug(name)}.json").read_text())
+        kept = RESULTS / f"plan_anchor_{slug(name)}.json"
+        if not kept.is_file():  # its plan not run (or not finished) yet
+            continue
+        plan = json.loads(kept.read_text())
         for setup in plan["rows"]:
             if setup["offload"] or setup["stage"] not in (0, 2) or setup["tokens_per_s"] is None:
                 continue
