@@ -122,10 +122,7 @@ def body(rank: int, world_size: int, out: str, steps: int) -> None:
                 trainer = LowZeroTrainer(model=model, args=arguments(tmp, stage, offload, steps + 2),
                                          train_dataset=Data(task), callbacks=[clock])  # fmt: skip
                 trainer.train()
-                measured[case(name, stage, offload)] = {
-                    "cpu": statistics.median(clock.cpu[2:]),
-                    "wall": statistics.median(clock.wall[2:]),
-                }
+                measured[case(name, stage, offload)] = {k: statistics.median(v[2:]) for k, v in clock.times.items()}
     ranks: list = [None] * world_size
     dist.all_gather_object(ranks, measured)
     if rank == 0:  # the step is the slowest rank's
