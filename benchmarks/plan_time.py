@@ -121,6 +121,7 @@ def body(rank: int, world_size: int, out: str, steps: int) -> None:
                 clock = Clock()
                 trainer = LowZeroTrainer(model=model, args=arguments(tmp, stage, offload, steps + 2),
                                          train_dataset=Data(task), callbacks=[clock])  # fmt: skip
+                torch.set_num_threads(1)  # accelerate set 2 at W = 1 ("OMP_NUM_THREADS unset"): one, as predicted
                 trainer.train()
                 measured[case(name, stage, offload)] = {k: statistics.median(v[2:]) for k, v in clock.times.items()}
     ranks: list = [None] * world_size
