@@ -13,6 +13,9 @@
 #   3. benchmarks/gpu_overlap.py: GPT-2 1.2B as rank 0 of 2, the second rank emulated, over links of
 #      100 to 12.5 GB/s: the reduce-scatter and all-gather time hidden, host syncs per phase, the step
 #      against W=1 (needs ZeroConfig.overlap_allgather);
+#   3b. benchmarks/gpu_plan_time.py: the plan's predicted step time (issue 56's time model, for this GPU)
+#      against the measured steps of 2 and 3 (the Trainer rows of gpu_single, every link of gpu_overlap
+#      with the all-gather overlapped, its W=1): within 15% each; results/gpu_plan_time.{md,json};
 #   4. benchmarks/gpu_trainer_offload.py: the Trainer with optimizer offload, its losses against the
 #      run without;
 #   5. ray_jobs/finetune.py --use-gpu --num-workers 1, the main job on the GPU (skipped, not failed,
@@ -77,12 +80,13 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" |
 }
 
 # Measured on one H100: tests 43 s, single 50, plan 29, snapshot 27, offload 64 to 95. Estimated:
-# exact 20 to 40, overlap 60 to 110 (4 rounds of 33 blocks of 4 steps of 80 to 300 ms, about 60 s, and
+# exact 20 to 40, plan_time 30 to 60, overlap 60 to 110 (4 rounds of 33 blocks of 4 steps of 80 to 300 ms, about 60 s, and
 # 20 s to build and probe), trainer_offload 20 to 40, ray 60 to 90 where Ray is installed (2 where not).
 step tests 120 env TORCH_CUDA_SANITIZER=1 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
 step exact 60 python -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_exact_cuda.py
 step single 120 python benchmarks/gpu_single.py
 step overlap 180 python benchmarks/gpu_overlap.py
+step plan_time 90 python benchmarks/gpu_plan_time.py  # estimated 30 to 60 s: four simulated steps, no GPU work
 step trainer_offload 90 python benchmarks/gpu_trainer_offload.py
 if python -c "import ray" 2>/dev/null; then
     step ray 150 env RAY_USAGE_STATS_ENABLED=0 python ray_jobs/finetune.py --use-gpu --num-workers 1 \

@@ -1,17 +1,26 @@
 """The plan's predicted step time against measured ``LowZeroTrainer`` steps, on this machine.
 
     python benchmarks/plan_time.py [--rounds 3] [--steps 6]   # results/plan_time.{md,json,png}
+    # or W = 1 and 2 at once, as two processes, then one table of both:
+    python benchmarks/plan_time.py --world-sizes 1 --name plan_time_w1 &
+    python benchmarks/plan_time.py --world-sizes 2 --name plan_time_w2; wait
+    python benchmarks/plan_time.py --combine plan_time_w1,plan_time_w2
 
 For three small models (GPT-2, Llama and BERT shapes), at W = 1 and 2 gloo ranks (one thread each,
-as ``run_distributed`` starts them) and stages 0, 1 and 2 plus stage 2 with offload:
+as ``run_distributed`` starts them) and stages 0, 1 and 2 plus stage 2 with offload. Each round,
+for each W, predicted and measured follow each other:
 
-- predicted: the plan's simulated step on fake CPU tensors, timed for ``--device cpu`` with one
-  host thread (``hf_lowzero.timing``; this machine calibrated once, cached);
+- predicted: this machine calibrated afresh (``hf_lowzero.timing.calibrate``, into a folder of the
+  round's own, not the cache), and the plan's simulated step on fake CPU tensors timed for
+  ``--device cpu`` with one host thread;
 - measured: ``LowZeroTrainer`` on the same arguments, ``steps`` steps per run after two of warm-up,
-  each step timed from ``on_step_begin`` to ``on_step_end``; the cases interleaved, ``rounds``
-  rounds; the median.
+  each step from ``on_step_begin`` to ``on_step_end``, in CPU seconds of its rank's main thread
+  (``CLOCKS``; the slowest rank's median), the cases one after another.
 
-The ratio predicted / measured is the plan's error. The machine is shared: say how loaded it was.
+CPU seconds on both sides ([Note: calibrated in CPU time] in ``hf_lowzero/timing/calibrate.py``):
+the machine is shared, and wall seconds measure its load. The table gives the median over rounds
+of predicted, measured (and, for the record, measured wall seconds), and the ratio predicted /
+measured; and the load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ from benchmarks.common import RESULTS, collect, write_results  # noqa: E402
 
 BATCH, SEQ, VOCAB = 4, 64, 1000
 SETUPS = [(0, False), (1, False), (2, False), (2, True)]
+# The step's clocks: its rank's main thread's CPU seconds (what the table compares: the step's own
+# work, none of the machine's other load, none of the process's other threads' spinning while they
+# wait), the whole process's CPU seconds and the wall clock (for the record).
+CLOCKS = {"thread": time.thread_time, "process": time.process_time, "wall": time.perf_counter}
 
 
 def configs() -> dict:
@@ -83,45 +96,52 @@ def build(name: str):
     return AutoModelForCausalLM.from_config(config), "clm"
 
 
-def body(rank: int, world_size: int, out: str, rounds: int, steps: int) -> None:
+def body(rank: int, world_size: int, out: str, steps: int) -> None:
+    import torch.distributed as dist
     from transformers import TrainerCallback
 
     from hf_lowzero import LowZeroTrainer
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
-            self.times: list[float] = []
+            self.times: dict[str, list[float]] = {kind: [] for kind in CLOCKS}
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start = {kind: clock() for kind, clock in CLOCKS.items()}
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
+            for kind, clock in CLOCKS.items():
+                self.times[kind].append(clock() - self.start[kind])
 
-    measured: dict[str, list[float]] = {}
+    measured: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(rounds):
-            for name in configs():
-                for stage, offload in SETUPS:
-                    model, task = build(name)
-                    clock = Clock()
-                    trainer = LowZeroTrainer(model=model, args=arguments(tmp, stage, offload, steps + 2),
-                                             train_dataset=Data(task), callbacks=[clock])  # fmt: skip
-                    trainer.train()
-                    key = f"{name} stage {stage}{' + offload' if offload else ''}"
-                    measured.setdefault(key, []).extend(clock.times[2:])
-    if rank == 0:
-        Path(out).write_text(json.dumps({k: statistics.median(v) for k, v in measured.items()}))
+        for name in configs():
+            for stage, offload in SETUPS:
+                model, task = build(name)
+                clock = Clock()
+                trainer = LowZeroTrainer(model=model, args=arguments(tmp, stage, offload, steps + 2),
+                                         train_dataset=Data(task), callbacks=[clock])  # fmt: skip
+                torch.set_num_threads(1)  # accelerate set 2 at W = 1 ("OMP_NUM_THREADS unset"): one, as predicted
+                trainer.train()
+                measured[case(name, stage, offload)] = {k: statistics.median(v[2:]) for k, v in clock.times.items()}
+    ranks: list = [None] * world_size
+    dist.all_gather_object(ranks, measured)
+    if rank == 0:  # the step is the slowest rank's
+        slowest = {k: {w: max(r[k][w] for r in ranks) for w in CLOCKS} for k in measured}
+        Path(out).write_text(json.dumps(slowest))
 
 
-def predicted(world_size: int) -> dict[str, float]:
+def case(name: str, stage: int, offload: bool) -> str:
+    return f"{name} stage {stage}{' + offload' if offload else ''}"
+
+
+def programs(world_size: int) -> dict:
+    """Each case's simulated step (its recorded sequence), as the plan makes it."""
     from hf_lowzero.plan.models import ModelSpec
     from hf_lowzero.plan.simulate import simulate_step
     from hf_lowzero.plan.step_records import Setup, TrainingSpec
-    from hf_lowzero.timing import Costs, Target, schedule
 
-    costs = Costs(Target.of("cpu", host_threads=1))
-    times = {}
+    found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in configs().items():
             config.architectures = ["BertForSequenceClassification" if name == "bert" else None]
@@ -129,9 +149,23 @@ def predicted(world_size: int) -> dict[str, float]:
             for stage, offload in SETUPS:
                 training = TrainingSpec.from_args(arguments(tmp, stage, offload, 1))
                 step = simulate_step(spec, training, Setup(stage, offload), world_size, BATCH, SEQ, backend="gloo")
-                key = f"{name} stage {stage}{' + offload' if offload else ''}"
-                times[key] = schedule(step.program, costs).step_time().seconds
-    return times
+                found[case(name, stage, offload)] = step.program
+    return found
+
+
+def predicted(sequences: dict) -> dict[str, float]:
+    """The steps' time for ``--device cpu`` at one host thread, this machine calibrated now."""
+    from hf_lowzero.timing import Costs, Target, schedule
+    from hf_lowzero.timing.calibrate import CACHE_ENV
+
+    with tempfile.TemporaryDirectory() as tmp:
+        before = os.environ.get(CACHE_ENV)
+        os.environ[CACHE_ENV] = tmp  # a fresh calibration, not the cache
+        try:
+            costs = Costs(Target.of("cpu", host_threads=1))
+        finally:
+            os.environ.pop(CACHE_ENV) if before is None else os.environ.__setitem__(CACHE_ENV, before)
+    return {key: schedule(program, costs).step_time().seconds for key, program in sequences.items()}
 
 
 def main() -> None:
@@ -139,23 +173,51 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--name", default="plan_time", help="results/NAME.{md,json,png}")
+    parser.add_argument("--combine", help="no run: NAME,NAME,... of runs kept in results/, as one table")
     a = parser.parse_args()
+    if a.combine:
+        parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in a.combine.split(",")]
+        rows = [row for part in parts for row in part["rows"]]
+        runs = "; ".join(
+            part["command"] + f" (load average {part['load'][0]:.1f} to {part['load'][1]:.1f})" for part in parts
+        )
+        report(a.name, rows, {"parts": parts}, f"{len(parts)} runs side by side, at once: {runs}")
+        return
+    world_sizes = [int(w) for w in a.world_sizes.split(",")]
+    loads = [os.getloadavg()[0]]
+    sequences = {w: programs(w) for w in world_sizes}
+    runs: dict = {w: {"predicted": [], "measured": []} for w in world_sizes}
+    for _ in range(a.rounds):
+        for w in world_sizes:  # [Note: calibrated in CPU time]: predicted and measured side by side
+            runs[w]["predicted"].append(predicted(sequences[w]))
+            runs[w]["measured"].append(collect(body, w, steps=a.steps))
+    loads.append(os.getloadavg()[0])
     rows = []
-    load = os.getloadavg()[0]
-    for world_size in map(int, a.world_sizes.split(",")):
-        planned = predicted(world_size)
-        measured = collect(body, world_size, rounds=a.rounds, steps=a.steps)
-        for key, seconds in measured.items():
-            ms = {"predicted_ms": round(planned[key] * 1e3, 2), "measured_ms": round(seconds * 1e3, 2)}
-            rows.append({"case": key, "W": world_size, **ms, "ratio": round(planned[key] / seconds, 3)})
+    for w in world_sizes:
+        for key in sequences[w]:
+            planned = statistics.median(r[key] for r in runs[w]["predicted"])
+            ms = {k: statistics.median(r[key][k] for r in runs[w]["measured"]) for k in CLOCKS}
+            rows.append({"case": key, "W": w, "predicted_ms": round(planned * 1e3, 2),
+                         "measured_ms": round(ms["thread"] * 1e3, 2), "process_ms": round(ms["process"] * 1e3, 2),
+                         "wall_ms": round(ms["wall"] * 1e3, 2), "ratio": round(planned / ms["thread"], 3)})  # fmt: skip
+    command = f"`python benchmarks/plan_time.py --rounds {a.rounds} --steps {a.steps} --world-sizes {a.world_sizes}`"
+    data = {"rows": rows, "runs": runs, "load": loads, "command": command}
+    report(a.name, rows, data, f"{command}, load average {loads[0]:.1f} at the start and {loads[1]:.1f} at the end")
+
+
+def report(name: str, rows: list[dict], data: dict, how: str) -> None:
+    """results/NAME.{md,json,png}: the table of ``rows`` and ``data`` as JSON."""
     header = (
         "# Predicted against measured step time on this machine\n\n"
-        f"`python benchmarks/plan_time.py --rounds {a.rounds} --steps {a.steps}`: the plan's step for `--device cpu`, "
-        f"one host thread, against the median LowZeroTrainer step (batch {BATCH} x {SEQ}, fp32, "
-        f"{os.cpu_count()} cores, load average {load:.1f} at the start). ratio = predicted / measured."
+        f"{how}. The plan's step for `--device cpu`, one host thread, calibrated afresh each round, against "
+        f"the LowZeroTrainer step (batch {BATCH} x {SEQ}, fp32), both in CPU seconds (measured: of the rank's main "
+        f"thread, the slowest rank's median step; the table: the median over rounds), on {os.cpu_count()} cores. "
+        "ratio = predicted / measured; process_ms (all the rank's threads) and wall_ms, for the record."
     )
-    print(write_results("plan_time", rows, ["case", "W", "predicted_ms", "measured_ms", "ratio"], header))
-    plot(rows, RESULTS / "plan_time.png")
+    columns = ["case", "W", "predicted_ms", "measured_ms", "process_ms", "wall_ms", "ratio"]
+    print(write_results(name, rows, columns, header, data=data))
+    plot(rows, RESULTS / f"{name}.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -176,7 +238,7 @@ def plot(rows: list[dict], path: Path) -> None:
                     label="within 20%")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured ms per step (LowZeroTrainer)")
+    ax.set_xlabel("measured CPU ms per step (LowZeroTrainer)")
     ax.set_ylabel("predicted ms per step (the plan, --device cpu)")
     ax.legend()
     fig.tight_layout()

@@ -3,12 +3,30 @@
 What the time model needs of a CPU rank, measured with torch as the step runs it:
 
 - the matmul rate (fp32 and bf16 ``mm`` of 512 x 512), with one thread and with all of torch's;
-- the memory bandwidth (a 32 MiB ``copy_``, read and write), with one thread and with all;
+- the memory bandwidth of the ops around the matmuls ([Note: elementwise bandwidth]), with one
+  thread and with all;
 - the cost per op of an eager step: a small MLP's forward and backward on one thread, timed, over
   the aten ops it dispatches (Python, autograd and the dispatcher included: what a step of small
   ops pays);
 - gloo's latency and bandwidth: an all-reduce of one element and of 16 MiB between two local ranks
   (two gloo groups in two threads of this process, over loopback as local processes talk).
+
+[Note: elementwise bandwidth] The bytes an op moves are priced at one bandwidth. A ``copy_`` of
+32 MiB streams at the machine's best (24 GB/s here, quiet); the ops a step issues around its matmuls
+(layer norm, GELU, softmax and their backward, on activations of a few MiB) reach half of that or
+less: they compute ``exp`` and ``erf`` per element and reduce along rows. So the figure is theirs:
+a layer norm, a GELU, a product, a residual add and a softmax on a 512 x 512 activation, forward and
+backward, their bytes counted as ``counting.py`` counts them, over their time less the dispatch of
+their ops.
+
+[Note: calibrated in CPU time] Every figure is timed in CPU seconds of this process (user and
+system: ``time.process_time``), the best of three, not in wall seconds: a machine shared with other
+work runs this process part of the time only, and a wall clock would measure its load, not its
+rates (under a load of 5 on 2 cores, wall-clock rates came out at a third to a fifth of the quiet
+machine's). With several threads, the work is over the CPU seconds per thread (what the threads
+give when they run at once). Gloo's figures are the CPU seconds of each rank's side (sending and
+receiving over loopback is the kernel's copying, which counts as system time), so a collective's
+wait for a slower peer is not in them: the time model prices a step on a machine of its own.
 
 The figures are kept as JSON under ``HF_LOWZERO_CACHE`` (default ``~/.cache/hf_lowzero``), keyed by
 the CPU, its core count and torch's version; delete the file to measure again.
@@ -95,15 +113,17 @@ def _with_threads(n: int, fn) -> float:
 
 
 def _rate(work_per_call: float, call) -> float:
-    """Work per second of ``call``, repeated for about ``SECONDS_PER_FIGURE`` (the best of three)."""
+    """Work per CPU second per thread of ``call`` ([Note: calibrated in CPU time]), repeated for about
+    ``SECONDS_PER_FIGURE`` of CPU time (the best of three)."""
     call()
     best = float("inf")
+    threads = torch.get_num_threads()
     for _ in range(3):
-        calls, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < SECONDS_PER_FIGURE / 3:
+        calls, start = 0, time.process_time()
+        while (elapsed := time.process_time() - start) < SECONDS_PER_FIGURE / 3:
             call()
             calls += 1
-        best = min(best, elapsed / calls)
+        best = min(best, elapsed / threads / calls)
     return work_per_call / best
 
 
@@ -114,31 +134,50 @@ def _matmul(dtype: torch.dtype):
 
 
 def _bandwidth() -> float:
-    src, dst = torch.ones(8 * 2**20), torch.empty(8 * 2**20)  # 32 MiB each
-    return _rate(2 * src.numel() * 4, lambda: dst.copy_(src))
+    """Bytes per second of the ops around a transformer's matmuls ([Note: elementwise bandwidth])."""
+    x = torch.randn(512, 512, requires_grad=True)  # 1 MiB: a small model's activations, as the step's
+    norm = torch.nn.LayerNorm(512)
+
+    def block() -> None:
+        h = norm(x)
+        y = torch.nn.functional.gelu(h) * h + x
+        torch.softmax(y, dim=-1).sum().backward()
+
+    ops, nbytes = _counted(block)
+    seconds = 1.0 / _rate(1.0, block) - ops * _with_threads(1, _dispatch)
+    return nbytes / max(seconds, 1e-9)
+
+
+def _counted(fn) -> tuple[int, int]:
+    """The ops ``fn`` issues (queries left out) and their bytes, as ``counting.py`` counts them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_lowzero.timing.counting import is_query, op_work
+
+    found = [0, 0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not is_query(func):
+                found[0] += 1
+                found[1] += op_work(func, args, kwargs or {}, out).nbytes
+            return out
+
+    with Count():
+        fn()
+    return found[0], found[1]
 
 
 def _dispatch() -> float:
-    """Seconds per aten op of a small MLP's eager forward and backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    """Seconds per aten op of a small MLP's eager forward and backward (its kernels next to nothing)."""
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(8)])
     x = torch.randn(2, 8)
 
     def step() -> None:
         model(x).sum().backward()
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
-    per_step = 1.0 / _rate(1.0, step)
-    return per_step / Count.ops
+    return 1.0 / _rate(1.0, step) / _counted(step)[0]
 
 
 def _gloo() -> dict:
@@ -161,9 +200,12 @@ def _gloo() -> dict:
                 groups[rank].allreduce([tensors[rank]]).wait()
 
         _in_threads(run)  # warm
-        start = time.perf_counter()
-        _in_threads(run)
-        return (time.perf_counter() - start) / repeats
+        best = float("inf")
+        for _ in range(3):
+            start = time.process_time()  # both ranks' CPU seconds: each rank's side is half
+            _in_threads(run)
+            best = min(best, (time.process_time() - start) / 2 / repeats)
+        return best
 
     _in_threads(join)
     latency = seconds_per_all_reduce(1, 100)

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from hf_lowzero.timing.counting import OpWork, is_collective_op, op_work
+from hf_lowzero.timing.counting import OpWork, is_collective_op, is_query, op_work
 
 HOST = "host"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
@@ -99,6 +99,8 @@ class StepRecorder(TorchDispatchMode):
             if self.ops is None:  # CPU ranks: the host issues it and waits (gloo, [Note: the step's own sequence])
                 self._collective_on_host(func, args, out)
             return  # on fake GPUs the NCCL stand-in reports it (collective below)
+        if is_query(func):  # a real tensor answers it without the dispatcher
+            return
         work = op_work(func, args, kwargs, out)
         if work.name in _CPU_ATTENTION:
             work = _with_cpu_attention(args, work)
