@@ -20,6 +20,7 @@ from tests.hf_models import tiny_gpt2
 from tests.trainer_runs import logged, make_args, train
 
 
+@pytest.mark.slow  # two plans (18 s); test_plan.py's fast cases plan on fake CUDA devices too
 def test_gpu_plans_run_on_fake_gpus():
     """``plan_memory`` plans GPU setups on fake CUDA devices, so the GPU's branches run: CUDA's
     caching allocator recycles the communication scratch that the CPU's pool keeps."""

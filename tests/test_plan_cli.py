@@ -17,6 +17,7 @@ def test_a_config_json_that_is_not_json_gets_one_line(tmp_path, capsys):
     assert (tmp_path / "config.json").read_text() == "{not json"  # nor into it
 
 
+@pytest.mark.slow  # a plan in a subprocess (10 s); the first name is an 11-line runpy entry
 def test_the_commands_first_name_runs_the_same_command(tmp_path):
     """``python -m hf_lowzero.plan``, the name scripts were written with, runs the command that moved to
     ``trainer/``: the same one line and exit status for the same bad folder."""

@@ -123,6 +123,7 @@ def test_the_run_name_is_one_plain_folder_name(tmp_path, name, capsys):
     assert parse_args(["--storage-path", str(tmp_path), "--name", "run-2.b_c"])[2].name == "run-2.b_c"
 
 
+@pytest.mark.slow  # imports Ray in a subprocess (11 s); tests/test_layers.py checks the same arrow in the source
 def test_the_job_lives_above_the_ray_library_which_exports_none_of_its_names():
     """``hf_lowzero.ray`` never imports the job (``hf_lowzero.recipes.clm_ray``), and the job's names it
     used to export (deprecated aliases until issue 56) are the job's alone."""
