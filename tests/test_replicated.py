@@ -77,6 +77,8 @@ def cases_body(rank: int, world_size: int) -> None:
                 assert got[2] == {"all_reduce": 1} | gather, got[2]
                 renorm = 2 if poison else 1  # not finite: the float64 norm, all-reduced too (replicated: local)
                 assert want[2] == {"reduce_scatter": 1, "all_reduce": renorm} | gather, want[2]
+            if no_sync and verify == 1:  # a verify step stays replicated: the checks' own gather, no stats all-reduce
+                assert got[2] == {"all_reduce": 1, "all_gather": 1 if poison else 2}, got[2]
             if not no_sync:  # two reductions in the step: the norm is the sum's, taken by the stats all-reduce
                 assert got[2]["all_reduce"] == MICRO + (2 if poison else 1), got[2]
         assert opt.skipped_steps == ref_opt.skipped_steps == 1

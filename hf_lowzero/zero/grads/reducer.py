@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 
 from hf_lowzero.zero.grads.grad_store import DeviceGradStore
-from hf_lowzero.zero.grads.replicated import ReplicatedTotals, trailer_numel, write_trailer
+from hf_lowzero.zero.grads.replicated import ReplicatedTotals, Trailer, trailer_numel
 from hf_lowzero.zero.layout.buckets import Bucket, Reduction
 from hf_lowzero.zero.layout.packing import pack_bucket, pack_plan
 from hf_lowzero.zero.runtime import comm
@@ -107,6 +107,9 @@ class BucketReducer:
         self.pack_plans = [pack_plan(b, world_size=shard.world_size) for b in buckets]  # their params, packing order
         self.averages = comm.premultiplies(shard.group)  # the collective divides ([Note: the divide in the collective])
         self.replicated = replicated  # [Note: replicated reduction]: its one bucket is all-reduced, flags appended
+        self._trailer = (
+            Trailer(len(buckets[0].slots), comm_dtype or buckets[0].dtype, shard.device) if replicated else None
+        )
         self._totals: ReplicatedTotals | None = None  # this step's, while its one reduction is the only one
         self._kept: list[torch.Tensor] = []  # the pooled buffer ``_totals`` reads, until ``clear``
 
@@ -115,15 +118,15 @@ class BucketReducer:
         free them, and start its collective. ``flags``: (this rank's used flags, whether it read a
         param stale), appended where ``replicated`` ([Note: replicated reduction])."""
         dtype = self.comm_dtype or bucket.dtype
-        direct = self.store.direct_target(bucket, dtype, first=not self.holds[bucket.index])
         taken = []  # pooled buffers this bucket holds until its collective is done
+        if self.replicated and self.shard.world_size > 1:
+            return self._launch_replicated(bucket, dtype, grads, flags, taken)
+        direct = self.store.direct_target(bucket, dtype, first=not self.holds[bucket.index])
         if self.shard.world_size == 1:  # nothing to reduce: the packed bucket is this rank's chunk
             out = direct if direct is not None else self.take(bucket.row_numel, dtype, bucket.device, taken)
             with profiler_range("hf_lowzero::pack_bucket"):
                 pack_bucket(bucket, out, world_size=1, plan=self.pack_plans[bucket.index], grads=grads)
             return Reduction(bucket, None, out, tuple(taken))
-        if self.replicated:
-            return self._launch_replicated(bucket, dtype, grads, flags, taken)
         flat = self.take(bucket.packed_numel, dtype, bucket.device, taken)
         average = self.averages and not bucket.whole
         with profiler_range("hf_lowzero::pack_bucket"):
@@ -139,7 +142,7 @@ class BucketReducer:
         with profiler_range("hf_lowzero::pack_bucket"):
             plan = self.pack_plans[bucket.index]
             pack_bucket(bucket, flat, world_size=self.shard.world_size, plan=plan, grads=grads, divide=True)
-        write_trailer(whole[bucket.packed_numel :], used, stale)
+        self._trailer.write(whole[bucket.packed_numel :], used, stale)
         self.tap.after_pack(bucket, flat, divided=True)
         return Reduction(bucket, comm.all_reduce(whole, self.shard.group, async_op=True), whole, tuple(taken))
 

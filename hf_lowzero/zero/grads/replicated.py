@@ -29,10 +29,11 @@ Example::
 # synchronization. Bytes: the all-reduce sends twice the reduce-scatter's, which under the limit is
 # less than a collective's latency (~0.1 ms at 10 GB/s for 1 MiB).
 #
-# Everything else falls back to the stats all-reduce, the same way on every rank: a second
-# reduction of the bucket in one step (backward twice without ``no_sync``: the norm is the sum's,
-# not the last reduction's), a verify step (its table rides the stats all-reduce), stage 2, offload
-# (the norm is taken before the copy to the host), exact reduction, whole-param ownership.
+# A verify step stays replicated: the checks all-gather their own table, and it comes back to the
+# host in the verdict's one copy. Everything else falls back to the stats all-reduce, the same way
+# on every rank: a second reduction of the bucket in one step (backward twice without ``no_sync``:
+# the norm is the sum's, not the last reduction's), stage 2, offload (the norm is taken before the
+# copy to the host), exact reduction, whole-param ownership.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from hf_lowzero.zero.grads.grad_store import GRAD_DTYPE
 from hf_lowzero.zero.grads.norm import blocked_squared_norm
 from hf_lowzero.zero.layout.buckets import Bucket
+from hf_lowzero.zero.runtime import device as dev
 from hf_lowzero.zero.runtime.shard_group import ShardGroup
 
 REPLICATED_MAX_BYTES = 1 << 20  # the one bucket's packed bytes, at most ([Note: replicated reduction])
@@ -64,13 +66,23 @@ def trailer_numel(slots: int) -> int:
     return TRAILER_HEAD + slots
 
 
-def write_trailer(out: torch.Tensor, used: torch.Tensor, stale: bool) -> None:
-    """This rank's flags into ``out`` (``trailer_numel`` elements, the bucket's dtype and device):
-    whether it read any param stale, and each param's used flag (``used``: bool per slot, host)."""
-    host = torch.empty(out.numel(), dtype=out.dtype)
-    host[0] = float(stale)
-    host[TRAILER_HEAD:].copy_(used)
-    out.copy_(host, non_blocking=out.device.type != "cpu")
+class Trailer:
+    """This rank's flags, staged in page-locked host memory for ``slots`` params (on a GPU the copy
+    to the device does not wait; ``StepStats`` stages its flags the same way)."""
+
+    def __init__(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.host = dev.host_buffer(trailer_numel(slots), dtype, device)
+        self._copied = None  # the event after the latest copy out of ``host`` (GPU)
+
+    def write(self, out: torch.Tensor, used: torch.Tensor, stale: bool) -> None:
+        """The flags into ``out`` (``trailer_numel`` elements, the bucket's dtype and device):
+        whether this rank read any param stale, and each param's used flag (``used``: bool per
+        slot, host)."""
+        dev.host_waits(self._copied)  # a second reduction in a step: the first copy has read ``host``
+        self.host[0] = float(stale)
+        self.host[TRAILER_HEAD:].copy_(used)
+        out.copy_(self.host, non_blocking=dev.is_cuda(out.device))
+        self._copied = dev.record_event(dev.current_stream(out.device))
 
 
 @dataclass(frozen=True)

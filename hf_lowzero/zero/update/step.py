@@ -88,9 +88,10 @@ class StepStats:
         slot, host); ``stale_reads``: this rank's count; ``extra``: a float64 device tensor to bring
         back in the same copy (the integrity table), or None; ``squares``: per chunk, its squared
         norm when already taken (``taken_square``: [Note: the norm before the copy]), or None;
-        ``summed``: the totals of a replicated reduction (then no all-reduce; ``extra`` must be None)."""
+        ``summed``: the totals of a replicated reduction (then no all-reduce: ``extra`` rides the copy alone)."""
         if summed is not None:
-            return self._verdict(summed.stats().cpu(), None, summed.rows, reduce=False)
+            back, extra_back = self._back(summed.stats(), extra)
+            return self._verdict(back, extra_back, summed.rows, reduce=False)
         rows = [chunk for chunk in reduced if chunk is not None]
         squares = squares or [None] * len(reduced)
         held = [(chunk, square) for chunk, square in zip(reduced, squares) if chunk is not None]
@@ -107,12 +108,16 @@ class StepStats:
         if on_device:
             stats[:1].add_(torch.cat(on_device).sum())
         comm.all_reduce(stats, self.shard.group)
-        if extra is None:
-            back, extra_back = stats.cpu(), None
-        else:
-            both = torch.cat([stats, extra.reshape(-1)]).cpu()
-            back, extra_back = both[: stats.numel()], both[stats.numel() :]
+        back, extra_back = self._back(stats, extra)
         return self._verdict(back, extra_back, lambda: rows, reduce=True)
+
+    @staticmethod
+    def _back(stats: torch.Tensor, extra) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``stats`` and ``extra`` (or None) on the host, in one copy."""
+        if extra is None:
+            return stats.cpu(), None
+        both = torch.cat([stats, extra.reshape(-1)]).cpu()
+        return both[: stats.numel()], both[stats.numel() :]
 
     def _verdict(self, back: torch.Tensor, extra_back, rows, reduce: bool) -> StepVerdict:
         """The verdict from the summed vector on the host; ``rows()``: the gradient rows whose float64
