@@ -118,3 +118,73 @@ def test_launcher_without_overlap_waits_for_each_bucket():
     launcher = PlanOrderLauncher(buckets, launched(events), finished(events))
     launcher.launch_all(overlap=False)
     assert events == [("launch", 0), ("finish", 0), ("launch", 1), ("finish", 1), ("launch", 2), ("finish", 2)]
+
+
+def _native_or_skip():
+    from hf_lowzero.zero.layout.row_scatter import SOURCE
+    from hf_lowzero.zero.runtime import native
+
+    library = native.load(SOURCE)
+    if isinstance(library, native.NativeUnavailable):
+        pytest.skip(f"our unpack kernel is not available here: {library.why}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_unpack_writes_what_torchs_copy_writes(world_size, dtype):
+    """[Note: one call per unpack]: the kernel's unpack equals split_with_sizes_copy's bit for bit,
+    for row shards and whole params, and moves each param's version as an in-place op does."""
+    import dataclasses
+
+    from hf_lowzero.zero.layout.packing import unpack_targets
+
+    _native_or_skip()
+    shapes = [(12 * world_size, 5), (4 * world_size,), (world_size, 2), (2 * world_size, 3, 2)]
+    for whole in (False, True):
+        slots = make_slots(shapes, world_size, dict.fromkeys(range(len(shapes)), dtype))
+        if whole:
+            owners = [i % world_size for i in range(len(slots))]
+            slots = [ParamSlot(s.index, s.name, s.param, ParamShard(s.param.numel(), world_size=world_size, owner=o))
+                     for s, o in zip(slots, owners)]  # fmt: skip
+        (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
+        plan = unpack_targets(bucket, world_size=world_size)
+        assert plan.scatter is not None
+        gathered = torch.randn(bucket.packed_numel).to(dtype)
+        unpack_bucket(bucket, gathered, world_size=world_size, targets=dataclasses.replace(plan, scatter=None))
+        expected = [s.param.detach().clone() for s in slots]
+        versions = [s.param._version for s in slots]
+        with torch.no_grad():
+            for s in slots:
+                s.param.zero_()
+        unpack_bucket(bucket, gathered, world_size=world_size, targets=plan)
+        for s, e, v in zip(slots, expected, versions):
+            assert torch.equal(s.param, e), (whole, s.name)
+            assert s.param._version > v + 1  # the zero_ and the unpack
+
+
+def test_one_call_unpack_is_caught_by_autograd_like_an_in_place_copy():
+    _native_or_skip()
+    (slot,) = slots = make_slots([(4, 4)], 2)
+    (bucket,) = plan_buckets(slots, bucket_bytes=2**20, comm_dtype=None)
+    loss = (slot.param * slot.param).sum()  # saves the param for backward
+    unpack_bucket(bucket, torch.randn(bucket.packed_numel), world_size=2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_torchs_copy_unpacks_padded_large_or_fake_params():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_lowzero.zero.layout.packing import unpack_targets
+    from hf_lowzero.zero.layout.row_scatter import GRAIN
+
+    _native_or_skip()
+    padded = make_slots([(3, 5), (4,)], 2)  # 15 elements do not divide by 2
+    large = make_slots([(2 * GRAIN + 4,), (2,)], 2)  # more than GRAIN elements per param on average
+    for slots in (padded, large):
+        (bucket,) = plan_buckets(slots, bucket_bytes=2**22, comm_dtype=None)
+        assert unpack_targets(bucket, world_size=2).scatter is None
+    with FakeTensorMode():
+        fake = make_slots([(4, 4), (4,)], 2)
+        (bucket,) = plan_buckets(fake, bucket_bytes=2**20, comm_dtype=None)
+        assert unpack_targets(bucket, world_size=2).scatter is None

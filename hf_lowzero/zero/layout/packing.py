@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from itertools import repeat
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.params import ParamSlot
+from hf_lowzero.zero.layout.row_scatter import RowScatter, row_scatter
 
 
 def bucket_view(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
@@ -131,6 +133,7 @@ class UnpackPlan:
     sizes: tuple[int, ...]
     outs: tuple[torch.Tensor | None, ...]
     padded: tuple[int, ...]  # positions of the None entries
+    scatter: RowScatter | None = None  # the same copies as one call of ours ([Note: one call per unpack])
 
 
 def unpack_targets(bucket: Bucket, *, world_size: int) -> UnpackPlan:
@@ -138,13 +141,17 @@ def unpack_targets(bucket: Bucket, *, world_size: int) -> UnpackPlan:
     its rows through a ``[W, shard_numel]`` view of itself. Whole params: their flat views."""
     if bucket.whole:
         outs = tuple(slot.param.view(-1) for slot in bucket.slots)
-        return UnpackPlan(tuple(slot.shard.numel for slot in bucket.slots), outs, ())
+        sizes = tuple(slot.shard.numel for slot in bucket.slots)
+        scatter = row_scatter(outs, sizes, chunks=1, chunk_numel=bucket.packed_numel, device=bucket.device)
+        return UnpackPlan(sizes, outs, (), scatter)
     outs = tuple(
         slot.param.view(world_size, slot.shard.shard_numel) if slot.shard.padding == 0 else None
         for slot in bucket.slots
     )
     padded = tuple(i for i, out in enumerate(outs) if out is None)
-    return UnpackPlan(tuple(slot.shard.shard_numel for slot in bucket.slots), outs, padded)
+    sizes = tuple(slot.shard.shard_numel for slot in bucket.slots)
+    scatter = row_scatter(outs, sizes, chunks=world_size, chunk_numel=bucket.row_numel, device=bucket.device)
+    return UnpackPlan(sizes, outs, padded, scatter)
 
 
 @torch.no_grad()
@@ -153,12 +160,16 @@ def unpack_bucket(
 ) -> None:
     """Copy a gathered rank-major bucket (``packed_numel`` flat) into its params.
 
-    Row shards (``[W, row_numel]``): one ``split_with_sizes_copy`` kernel writes every param whose
+    On the CPU, small params take one call of our own kernel ([Note: one call per unpack] in
+    ``row_scatter.py``). Row shards (``[W, row_numel]``): one ``split_with_sizes_copy`` kernel writes every param whose
     numel divides by W straight into it; a padded param goes through a temporary and drops its
     padding. ``targets`` is :func:`unpack_targets` of the bucket, built once by the caller. Whole
     params: the bucket is the params back to back, one ``split_with_sizes_copy`` into them all.
     """
     plan = unpack_targets(bucket, world_size=world_size) if targets is None else targets
+    if plan.scatter is not None and gathered.is_contiguous() and not is_fake(gathered):
+        plan.scatter(gathered)  # [Note: one call per unpack]
+        return
     if bucket.whole:
         torch.split_with_sizes_copy(gathered, list(plan.sizes), out=list(plan.outs))
         return
