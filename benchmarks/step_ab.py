@@ -15,6 +15,8 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
   step where ``zero1`` has two on a model of one small bucket;
 - ``zero1_wait_at_issue``: the step waits for its gather as soon as it starts it, not at the
   step's end ([Note: the step's last wait] in ``update/allgather.py``);
+- ``zero1_torch_unpack``: the gathered bucket unpacked by torch's ``split_with_sizes_copy``, not
+  by one call of our kernel ([Note: one call per unpack] in ``layout/row_scatter.py``);
 - ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
   ``POINT_TO_POINT_MIN_BYTES`` too, instead of gloo's own collectives ([Note: gloo point-to-point]
   in ``comm.py``);
@@ -57,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.step_time import loss_fn, ratios  # noqa: E402
 from hf_lowzero.zero.grads import replicated  # noqa: E402
 from hf_lowzero.zero.grads.norm import float64_squared_norm, squared_norm  # noqa: E402
+from hf_lowzero.zero.layout import row_scatter  # noqa: E402
 from hf_lowzero.zero.runtime import comm  # noqa: E402
 from hf_lowzero.zero.update import allgather  # noqa: E402
 
@@ -81,6 +84,7 @@ VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the cu
     "zero1": ("zero1", {}, {}),
     "zero1_reduce_scatter": ("zero1", {}, {}),
     "zero1_wait_at_issue": ("zero1", {"HOLD_MAX_BUCKETS": 0}, {}),
+    "zero1_torch_unpack": ("zero1", {}, {}),
     "zero1_verify_every_1": ("zero1", {}, {"verify_every": 1}),
     "zero1_verify_off": ("zero1", {}, {"verify_every": "off"}),
     "zero2": ("zero2", {}, {}),
@@ -89,17 +93,23 @@ VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the cu
 }
 
 
-WITHOUT_REPLICATION = {"zero1_reduce_scatter"}  # built with [Note: replicated reduction] switched off
+BUILT_WITHOUT = {  # variant: (module, limit) set to 0 while it is built (the limit is read at wrap time)
+    "zero1_reduce_scatter": (replicated, "REPLICATED_MAX_BYTES"),  # [Note: replicated reduction] off
+    "zero1_torch_unpack": (row_scatter, "GRAIN"),  # [Note: one call per unpack] off
+}
 
 
 def build_setup(variant: str, build) -> Setup:
     kind, _, config = VARIANTS[variant]
-    limit = replicated.REPLICATED_MAX_BYTES
-    replicated.REPLICATED_MAX_BYTES = 0 if variant in WITHOUT_REPLICATION else limit
+    if variant not in BUILT_WITHOUT:
+        return Setup(kind, build(), 1, config)
+    module, name = BUILT_WITHOUT[variant]
+    limit = getattr(module, name)
+    setattr(module, name, 0)
     try:
         return Setup(kind, build(), 1, config)
     finally:
-        replicated.REPLICATED_MAX_BYTES = limit
+        setattr(module, name, limit)
 
 
 def use(variant: str) -> None:
@@ -233,7 +243,8 @@ def main() -> None:
         "what a verify step costs, and what the checks' default, verify_every='auto', costs): checks at every "
         "step, and none. zero1_reduce_scatter: stage 1 without the replicated reduction (the bucket "
         "reduce-scattered, the norm and flags all-reduced: three syncs per step, not two). zero1_wait_at_issue: the "
-        "step waits for its all-gather as it starts it, not at the step's end. "
+        "step waits for its all-gather as it starts it, not at the step's end. zero1_torch_unpack: the gathered "
+        "bucket unpacked by torch's split_with_sizes_copy, not by one call of our kernel. "
         "zero2_p2p_small_buckets: point-to-point "
         f"exchanges for buckets under {comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a "
         "diagnostic: what the step's one small all-reduce costs): the norm/used-flags all-reduce skipped, each "
