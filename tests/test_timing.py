@@ -98,6 +98,28 @@ def test_a_collective_overlapping_compute_is_hidden_by_the_overlap():
     assert step.comm_hidden == pytest.approx((long_end - (comm_end - comm)) / comm)
 
 
+def test_the_steps_flops_are_those_it_issues_though_the_host_runs_ahead():
+    """Stage 0 on a GPU waits for nothing: the host issues the step's kernels while the previous
+    update still runs, before the step's start on the timeline. Its FLOPs are the step's (its MFU
+    read 0 while they were counted by the time they were issued)."""
+    costs = Costs(H100)
+    update = OpWork(flops=4e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    forward = OpWork(flops=3e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    program = Program()
+    program.steps.append(("run", "compute", "kernel", update))
+    program.steps.append(("boundary",))
+    program.steps.append(("run", "compute", "kernel", forward))
+    program.steps.append(("run", "compute", "kernel", forward))
+    program.steps.append(("boundary",))
+    timeline = schedule(program, costs)
+
+    d = H100.device.dispatch_s
+    assert 3 * d < timeline.boundaries[0]  # the step's kernels were issued before it began
+    step = timeline.step_time()
+    assert step.flops == 6e12 and timeline.flops == [4e12, 6e12]
+    assert step.seconds == pytest.approx(2 * costs.kernel(forward))
+
+
 def test_an_op_counts_its_flops_and_bytes():
     a, b = torch.ones(16, 32, dtype=torch.bfloat16), torch.ones(32, 8, dtype=torch.bfloat16)
     out = a @ b
