@@ -168,6 +168,21 @@ def fixed_cpu(tmp_path, monkeypatch):
     return calibrate.device_from(FIXED_CPU)
 
 
+def test_on_cpu_attention_and_per_element_math_run_at_the_rates_measured_for_them():
+    """[Note: the CPU's own rates]: a calibration with them prices the flash attention's FLOPs at its
+    attention rate and a GELU's bytes at its per-element bandwidth; other ops, and a calibration
+    without them (an older cache), at the matmul rate and the bandwidth."""
+    own = FIXED_CPU | {"attention": [20e9, 30e9], "bandwidth_math": [2e9, 3e9]}
+    costs, plain = (Costs(Target.of(calibrate.device_from(m), host_threads=1)) for m in (own, FIXED_CPU))
+    attention = OpWork(4e9, 2**20, "fp32", True, "aten._scaled_dot_product_flash_attention_for_cpu_backward")
+    gelu = OpWork(0.0, 2**24, "fp32", True, "aten.gelu")
+    add = OpWork(0.0, 2**24, "fp32", True, "aten.add")
+    assert costs.kernel(attention) == pytest.approx(4e9 / 20e9)
+    assert costs.kernel(gelu) == pytest.approx(2**24 / 2e9)
+    assert costs.kernel(add) == plain.kernel(add) == pytest.approx(2**24 / 8e9)
+    assert plain.kernel(attention) == pytest.approx(4e9 / 50e9) and plain.kernel(gelu) == plain.kernel(add)
+
+
 def test_the_plan_prints_its_time_columns_as_json_from_the_rows_of_its_table(fixed_cpu, tmp_path, capsys):
     tiny_model_spec("gpt2").config.save_pretrained(tmp_path / "model")
     argv = ["--model", str(tmp_path / "model"), "--world-size", "2", "--seq-len", "32", "--device", "cpu"]
