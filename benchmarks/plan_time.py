@@ -1,26 +1,27 @@
 """The plan's predicted step time against measured ``LowZeroTrainer`` steps, on this machine.
 
-    python benchmarks/plan_time.py [--rounds 3] [--steps 6]   # results/plan_time.{md,json,png}
-    # or W = 1 and 2 at once, as two processes, then one table of both:
-    python benchmarks/plan_time.py --world-sizes 1 --name plan_time_w1 &
-    python benchmarks/plan_time.py --world-sizes 2 --name plan_time_w2; wait
-    python benchmarks/plan_time.py --combine plan_time_w1,plan_time_w2
+    python benchmarks/plan_time.py [--rounds 5] [--steps 6]   # results/plan_time.{md,json,png}
 
 For three small models (GPT-2, Llama and BERT shapes), at W = 1 and 2 gloo ranks (one thread each,
-as ``run_distributed`` starts them) and stages 0, 1 and 2 plus stage 2 with offload. Each round,
-for each W, predicted and measured follow each other:
+as ``run_distributed`` starts them) and stages 0, 1 and 2 plus stage 2 with offload.
 
-- predicted: this machine calibrated afresh (``hf_lowzero.timing.calibrate``, into a folder of the
-  round's own, not the cache), and the plan's simulated step on fake CPU tensors timed for
-  ``--device cpu`` with one host thread;
-- measured: ``LowZeroTrainer`` on the same arguments, ``steps`` steps per run after two of warm-up,
-  each step from ``on_step_begin`` to ``on_step_end``, in CPU seconds of its rank's main thread
-  (``CLOCKS``; the slowest rank's median), the cases one after another.
-
-CPU seconds on both sides ([Note: calibrated in CPU time] in ``hf_lowzero/timing/calibrate.py``):
-the machine is shared, and wall seconds measure its load. The table gives the median over rounds
-of predicted, measured (and, for the record, measured wall seconds), and the ratio predicted /
-measured; and the load average at the start and the end.
+[Note: the measuring protocol]
+- One run at a time: W = 1 and W = 2 never run at once (a run at each, side by side, put 3 rank
+  processes on 2 cores; its rows were visibly noisy, a stage-0 step slower than stage 1's).
+- Rounds, interleaved: each round runs W = 1 and W = 2 one after the other, in turn first (1, 2,
+  then 2, 1, ...), so a load that comes and goes falls on both. Within a run, each case after the
+  other.
+- Each round, for each W, predicted and measured follow each other: predicted from this machine
+  calibrated afresh (``hf_lowzero.timing.calibrate``, into a folder of the round's own, not the
+  cache) and the plan's simulated step on fake CPU tensors timed for ``--device cpu`` with one host
+  thread; measured: ``LowZeroTrainer`` on the same arguments, ``steps`` steps per run after two of
+  warm-up, each step from ``on_step_begin`` to ``on_step_end``, in CPU seconds of its rank's main
+  thread (``CLOCKS``; the slowest rank's median).
+- CPU seconds on both sides ([Note: calibrated in CPU time] in ``hf_lowzero/timing/calibrate.py``):
+  the machine is shared, and wall seconds measure its load. The table gives the median over rounds
+  of predicted and measured (and, for the record, the process's CPU and the wall seconds), the
+  median over rounds of each round's ratio predicted / measured (a round's calibration and its
+  run see the same load), and the load average at each round's start and at the end.
 """
 
 from __future__ import annotations
@@ -170,26 +171,18 @@ def predicted(sequences: dict) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--name", default="plan_time", help="results/NAME.{md,json,png}")
-    parser.add_argument("--combine", help="no run: NAME,NAME,... of runs kept in results/, as one table")
     a = parser.parse_args()
-    if a.combine:
-        parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in a.combine.split(",")]
-        rows = [row for part in parts for row in part["rows"]]
-        runs = "; ".join(
-            part["command"] + f" (load average {part['load'][0]:.1f} to {part['load'][1]:.1f})" for part in parts
-        )
-        report(a.name, rows, {"parts": parts}, f"{len(parts)} runs side by side, at once: {runs}")
-        return
     world_sizes = [int(w) for w in a.world_sizes.split(",")]
-    loads = [os.getloadavg()[0]]
+    loads = []
     sequences = {w: programs(w) for w in world_sizes}
     runs: dict = {w: {"predicted": [], "measured": []} for w in world_sizes}
-    for _ in range(a.rounds):
-        for w in world_sizes:  # [Note: calibrated in CPU time]: predicted and measured side by side
+    for round_ in range(a.rounds):  # [Note: the measuring protocol]
+        loads.append(os.getloadavg()[0])
+        for w in world_sizes if round_ % 2 == 0 else world_sizes[::-1]:
             runs[w]["predicted"].append(predicted(sequences[w]))
             runs[w]["measured"].append(collect(body, w, steps=a.steps))
     loads.append(os.getloadavg()[0])
@@ -197,23 +190,40 @@ def main() -> None:
     for w in world_sizes:
         for key in sequences[w]:
             planned = statistics.median(r[key] for r in runs[w]["predicted"])
+            pairs = zip(runs[w]["predicted"], runs[w]["measured"])
+            ratio = statistics.median(p[key] / m[key]["thread"] for p, m in pairs)  # each round's own
             ms = {k: statistics.median(r[key][k] for r in runs[w]["measured"]) for k in CLOCKS}
             rows.append({"case": key, "W": w, "predicted_ms": round(planned * 1e3, 2),
                          "measured_ms": round(ms["thread"] * 1e3, 2), "process_ms": round(ms["process"] * 1e3, 2),
-                         "wall_ms": round(ms["wall"] * 1e3, 2), "ratio": round(planned / ms["thread"], 3)})  # fmt: skip
-    command = f"`python benchmarks/plan_time.py --rounds {a.rounds} --steps {a.steps} --world-sizes {a.world_sizes}`"
+                         "wall_ms": round(ms["wall"] * 1e3, 2), "ratio": round(ratio, 3)})  # fmt: skip
+    command = f"python benchmarks/plan_time.py --rounds {a.rounds} --steps {a.steps} --world-sizes {a.world_sizes}"
     data = {"rows": rows, "runs": runs, "load": loads, "command": command}
-    report(a.name, rows, data, f"{command}, load average {loads[0]:.1f} at the start and {loads[1]:.1f} at the end")
+    report(a.name, rows, data, command, loads)
 
 
-def report(name: str, rows: list[dict], data: dict, how: str) -> None:
+def report(name: str, rows: list[dict], data: dict, command: str, loads: list[float]) -> None:
     """results/NAME.{md,json,png}: the table of ``rows`` and ``data`` as JSON."""
+    ratios = {w: sorted(r["ratio"] for r in rows if r["W"] == w) for w in sorted({r["W"] for r in rows})}
+    summary = "; ".join(
+        f"W = {w}: {v[0]:.2f} to {v[-1]:.2f}, median {statistics.median(v):.2f}, "
+        f"{sum(0.8 <= x <= 1.2 for x in v)} of {len(v)} within 20%"
+        for w, v in ratios.items()
+    )
     header = (
         "# Predicted against measured step time on this machine\n\n"
-        f"{how}. The plan's step for `--device cpu`, one host thread, calibrated afresh each round, against "
-        f"the LowZeroTrainer step (batch {BATCH} x {SEQ}, fp32), both in CPU seconds (measured: of the rank's main "
-        f"thread, the slowest rank's median step; the table: the median over rounds), on {os.cpu_count()} cores. "
-        "ratio = predicted / measured; process_ms (all the rank's threads) and wall_ms, for the record."
+        f"`{command}`, on {os.cpu_count()} cores shared with other work: load average "
+        f"{', '.join(f'{x:.1f}' for x in loads)} at the rounds' starts and the end.\n\n"
+        "The protocol ([Note: the measuring protocol] in `benchmarks/plan_time.py`):\n\n"
+        "- one run at a time, never W = 1 and W = 2 at once;\n"
+        "- each round runs W = 1 and W = 2 in turn, alternating which goes first; the table gives the median "
+        "over rounds;\n"
+        "- predicted: the plan's simulated step for `--device cpu`, one host thread, this machine calibrated "
+        "afresh in each round just before its measured run;\n"
+        f"- measured: the LowZeroTrainer step (batch {BATCH} x {SEQ}, fp32) in CPU seconds of the rank's main "
+        "thread, the slowest rank's median step after two of warm-up;\n"
+        "- ratio: the median over rounds of each round's predicted / measured; process_ms (all the rank's "
+        "threads) and wall_ms are for the record.\n\n"
+        f"Predicted / measured: {summary}."
     )
     columns = ["case", "W", "predicted_ms", "measured_ms", "process_ms", "wall_ms", "ratio"]
     print(write_results(name, rows, columns, header, data=data))

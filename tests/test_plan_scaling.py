@@ -74,7 +74,11 @@ def test_each_sizes_row_is_its_plans_and_efficiency_is_against_linear(plans):
     for row in [*bare["rows"], bare["recommended"]]:
         row.pop("cost")
     assert bare == two
-    assert "0.1 GB/s between nodes" in text and "Scaling on cpu (1 per node)" in text
+    assert "Scaling on cpu (1 per node, " in text and "0.1 GB/s between nodes" in text
+    # the scaling table alone: no size's plan in full, and where to find one
+    assert text.startswith("Scaling on cpu") and "Memory plan:" not in text and "Time on" not in text
+    assert text.rstrip().endswith("the same command with one --world-size (1, 2); --json holds the largest size's "
+                                  "plan in full.")  # fmt: skip
     table = text.split("Scaling on cpu")[1].splitlines()[3:]
     for row, line in zip(rows, table):
         cells = line.split()
@@ -110,7 +114,7 @@ def test_the_cost_is_devices_times_hours_times_the_price(plans):
         assert row["cost"] == pytest.approx(row["world_size"] * hours * PRICE)
     assert scaled["scaling"][1]["cost"] == scaled["recommended"]["cost"]  # the same setup at the same size
     assert Price.of(PRICE, TOKENS).cost(devices=4, tokens_per_s=1000.0) == pytest.approx(4 * 1e6 / 1000 / 3600 * 2.5)
-    assert text.count("cost of 1M tokens at 2.5/device-hour") == 2  # the time table's column, the scaling table's
+    assert text.count("cost of 1M tokens at 2.5/device-hour") == 1  # the scaling table's column
 
 
 def test_a_single_world_size_prints_what_it_always_did(plans):

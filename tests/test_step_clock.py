@@ -6,6 +6,7 @@ times and its ratio to the prediction. Without a plan the start's line says how 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import types
@@ -13,10 +14,13 @@ import types
 import pytest
 
 from hf_lowzero import LowZeroTrainer
+from hf_lowzero.plan.planner import parse_bytes
 from hf_lowzero.plan.report import seconds_text
 from hf_lowzero.recipes.clm_ray.summary import RunSummary
 from hf_lowzero.timing import calibrate
-from hf_lowzero.trainer.step_clock import PlannedStepTime, step_time_line
+from hf_lowzero.timing.devices import table_name
+from hf_lowzero.trainer.auto import host_share
+from hf_lowzero.trainer.step_clock import PlannedStepTime, plan_device_flags, step_time_line, trained_on
 from tests.hf_models import TokenDataset, tiny_gpt2
 from tests.test_timing import FIXED_CPU
 from tests.trainer_runs import make_args
@@ -54,6 +58,16 @@ def test_the_plans_step_time_at_the_start_and_the_measured_one_at_the_end(fixed_
         "(measured against it at the end)"
     )
     assert len(clock.step_times_s) == STEPS and all(t > 0 for t in clock.step_times_s)
+
+    # [Note: the device named]: a plan timed for another device says so, and names the run's
+    elsewhere = dataclasses.replace(trainer.memory_plan, timed_for=trainer.memory_plan.timed_for | {"device": "H100"})
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hf_lowzero.trainer.step_clock"):
+        PlannedStepTime(elsewhere).on_train_begin(trainer.args, trainer.state, trainer.control)
+    assert caplog.records[-1].getMessage() == (
+        f"[hf_lowzero] plan: {chosen.label} timed for 1 x H100, though this run trains on cpu, predicts "
+        f"{seconds_text(chosen.step_time_s)} per step (measured against it at the end)"
+    )
     median = statistics.median(clock.step_times_s)
     end = step_time_line(clock.step_times_s, clock.predicted_s)
     assert end == (
@@ -78,6 +92,20 @@ def test_without_a_plan_the_start_says_how_to_get_one(tmp_path, caplog):
     assert "[hf_lowzero] plan: no step time predicted for stage 2 (no plan ran): run the plan" in caplog.text
     assert clock.predicted_s is None and len(clock.step_times_s) == 2
     assert step_time_line(clock.step_times_s, None).endswith("; no plan predicted it (zero_stage='auto' plans the run)")
+
+
+def test_the_plans_command_names_the_device_the_run_trains_on(tmp_path):
+    """The Ray job's hint names this worker's device ([Note: the device named]): on a CPU rank,
+    ``cpu`` and the rank's share of the node's memory (it said ``cpu --device-memory 8GiB``, and
+    ``H100`` for any GPU); a GPU by the device table's name."""
+    args = make_args(tmp_path, 2, max_steps=1)
+    assert trained_on(args) == "cpu"
+    flags = plan_device_flags(args).split()
+    assert flags[:3] == ["--device", "cpu", "--device-memory"]
+    assert parse_bytes(flags[3], "device_memory") == pytest.approx(host_share(), rel=0.01)
+    assert [table_name(n) for n in ("NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4", "Tesla T4")] == [
+        "H200", "A100-80GB", "L4", None
+    ]  # fmt: skip
 
 
 def test_the_ray_jobs_summary_ends_with_the_step_time_line_of_its_returned_times():

@@ -98,6 +98,28 @@ def test_a_collective_overlapping_compute_is_hidden_by_the_overlap():
     assert step.comm_hidden == pytest.approx((long_end - (comm_end - comm)) / comm)
 
 
+def test_the_steps_flops_are_those_it_issues_though_the_host_runs_ahead():
+    """Stage 0 on a GPU waits for nothing: the host issues the step's kernels while the previous
+    update still runs, before the step's start on the timeline. Its FLOPs are the step's (its MFU
+    read 0 while they were counted by the time they were issued)."""
+    costs = Costs(H100)
+    update = OpWork(flops=4e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    forward = OpWork(flops=3e12, nbytes=0, matmul_dtype="bf16", launches=True)
+    program = Program()
+    program.steps.append(("run", "compute", "kernel", update))
+    program.steps.append(("boundary",))
+    program.steps.append(("run", "compute", "kernel", forward))
+    program.steps.append(("run", "compute", "kernel", forward))
+    program.steps.append(("boundary",))
+    timeline = schedule(program, costs)
+
+    d = H100.device.dispatch_s
+    assert 3 * d < timeline.boundaries[0]  # the step's kernels were issued before it began
+    step = timeline.step_time()
+    assert step.flops == 6e12 and timeline.flops == [4e12, 6e12]
+    assert step.seconds == pytest.approx(2 * costs.kernel(forward))
+
+
 def test_an_op_counts_its_flops_and_bytes():
     a, b = torch.ones(16, 32, dtype=torch.bfloat16), torch.ones(32, 8, dtype=torch.bfloat16)
     out = a @ b
@@ -144,6 +166,21 @@ def fixed_cpu(tmp_path, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(FIXED_CPU))
     return calibrate.device_from(FIXED_CPU)
+
+
+def test_on_cpu_attention_and_per_element_math_run_at_the_rates_measured_for_them():
+    """[Note: the CPU's own rates]: a calibration with them prices the flash attention's FLOPs at its
+    attention rate and a GELU's bytes at its per-element bandwidth; other ops, and a calibration
+    without them (an older cache), at the matmul rate and the bandwidth."""
+    own = FIXED_CPU | {"attention": [20e9, 30e9], "bandwidth_math": [2e9, 3e9]}
+    costs, plain = (Costs(Target.of(calibrate.device_from(m), host_threads=1)) for m in (own, FIXED_CPU))
+    attention = OpWork(4e9, 2**20, "fp32", True, "aten._scaled_dot_product_flash_attention_for_cpu_backward")
+    gelu = OpWork(0.0, 2**24, "fp32", True, "aten.gelu")
+    add = OpWork(0.0, 2**24, "fp32", True, "aten.add")
+    assert costs.kernel(attention) == pytest.approx(4e9 / 20e9)
+    assert costs.kernel(gelu) == pytest.approx(2**24 / 2e9)
+    assert costs.kernel(add) == plain.kernel(add) == pytest.approx(2**24 / 8e9)
+    assert plain.kernel(attention) == pytest.approx(4e9 / 50e9) and plain.kernel(gelu) == plain.kernel(add)
 
 
 def test_the_plan_prints_its_time_columns_as_json_from_the_rows_of_its_table(fixed_cpu, tmp_path, capsys):

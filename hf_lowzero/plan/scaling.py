@@ -14,6 +14,10 @@ setup. The per-device batch stays the one asked for, so the global batch grows w
   per-device tokens per second over the base's;
 - ``cost``: with a price, training its tokens at that size ([Note: the cost of tokens] in ``cost.py``).
 
+The command prints the table only, and says how to see one size's plan in full (each size's every
+setup would bury the comparison asked for under a table per size); ``--json`` holds the largest
+size's plan in full beside the table's rows.
+
 What does not depend on the world size is done once: the model's config is read once and every
 plan runs in one fake-GPU process ([Note: planning on fake GPUs] in ``simulate.py``).
 
@@ -21,7 +25,7 @@ Example::
 
     scaling = plan_scaling("path/to/model", args, world_sizes=[8, 16, 32], device_memory="80GiB",
                            target={"device": "H100", "gpus_per_node": 8}, price=Price.of(2.5))
-    print(scaling.to_text())                  # the largest size's plan, then the scaling table
+    print(scaling.to_text())                  # the scaling table
     [(r.world_size, r.setup, r.efficiency) for r in scaling.rows]
 """
 
@@ -123,7 +127,7 @@ class ScalingPlan:
 
     @property
     def main(self) -> MemoryPlan:
-        """The plan whose full tables the command prints: the largest world size's."""
+        """The plan ``--json`` holds in full: the largest world size's."""
         return max(self.plans, key=lambda p: p.world_size)
 
     @property
@@ -142,14 +146,26 @@ class ScalingPlan:
         return plain
 
     def to_text(self) -> str:
-        """The largest world size's plan (``MemoryPlan.to_text``), then the scaling table."""
-        return self.main.to_text() + "\n\n" + "\n".join(self.table_lines())
+        """The scaling table, and where each size's plan is in full ([Note: the scaling table])."""
+        sizes = ", ".join(str(p.world_size) for p in self.plans)
+        full = (
+            "Each size's plan in full (every setup's memory and time, the reason for its pick): the same command "
+            f"with one --world-size ({sizes}); --json holds the largest size's plan in full."
+        )
+        return "\n".join([*self.table_lines(), "", full])
 
     def table_lines(self) -> list[str]:
         """The scaling table as lines: a title, a blank line, the table."""
         plan = self.main
         device = plan.timed_for.get("device", "the devices")
-        spread = "one node" if all(r.nodes == 1 for r in self.rows) else f"{plan.timed_for['gpus_per_node']} per node"
+        t = plan.timed_for
+        spread = f"{t['intra_node_bytes_per_s'] / 1e9:.4g} GB/s in a node"
+        if any(r.nodes > 1 for r in self.rows):
+            spread = (
+                f"{t['gpus_per_node']} per node, {spread}, {t['inter_node_bytes_per_s'] / 1e9:.4g} GB/s between nodes"
+            )
+        else:
+            spread = f"one node, {spread}"
         base = (
             f"efficiency: tokens/s against linear scaling from {self.base_world_size} device(s)"
             if self.base_world_size is not None

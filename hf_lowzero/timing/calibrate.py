@@ -5,6 +5,8 @@ What the time model needs of a CPU rank, measured with torch as the step runs it
 - the matmul rate (fp32 and bf16 ``mm`` of 512 x 512), with one thread and with all of torch's;
 - the memory bandwidth of the ops around the matmuls ([Note: elementwise bandwidth]), with one
   thread and with all;
+- the rates of two kinds of op that run slower than those ([Note: the CPU's own rates]): the flash
+  attention's FLOPs and the bandwidth of the ops that compute per element, with one thread and all;
 - the cost per op of an eager step: a small MLP's forward and backward on one thread, timed, over
   the aten ops it dispatches (Python, autograd and the dispatcher included: what a step of small
   ops pays);
@@ -19,6 +21,17 @@ a layer norm, a GELU, a product, a residual add and a softmax on a 512 x 512 act
 backward, their bytes counted as ``counting.py`` counts them, over their time less the dispatch of
 their ops.
 
+[Note: the CPU's own rates] On a GPU, attention runs near the matmul rate and every other op near
+memory bandwidth. A CPU thread does not: its flash attention works on blocks of a few dozen rows,
+and reached a third of the 512 x 512 matmul's rate (fp32 at batch 4, 4 heads, 64 and 128 tokens,
+head size 32); layer norm, GELU (``erf``) and softmax and their backward compute per element and
+reached 0.35 to 0.45 of the bandwidth of the ops around them, measured op by op in a BERT-shaped
+step (``benchmarks/plan_time.py``'s). So ``cpu`` measures each on its own: the attention rate is
+``scaled_dot_product_attention``'s forward and backward on a small model's shape, over torch's
+FLOP formulas; the per-element bandwidth is a layer norm, a GELU and a softmax, forward and
+backward, their bytes counted as ``counting.py`` counts them (its ``CPU_ATTENTION`` and
+``PER_ELEMENT_MATH`` name the ops priced at them).
+
 [Note: calibrated in CPU time] Every figure is timed in CPU seconds of this process (user and
 system: ``time.process_time``), the best of three, not in wall seconds: a machine shared with other
 work runs this process part of the time only, and a wall clock would measure its load, not its
@@ -29,7 +42,7 @@ receiving over loopback is the kernel's copying, which counts as system time), s
 wait for a slower peer is not in them: the time model prices a step on a machine of its own.
 
 The figures are kept as JSON under ``HF_LOWZERO_CACHE`` (default ``~/.cache/hf_lowzero``), keyed by
-the CPU, its core count and torch's version; delete the file to measure again.
+the CPU, its core count, torch's version and the figures' version (``FIGURES``); delete the file to measure again.
 
 Example::
 
@@ -53,6 +66,7 @@ from hf_lowzero.timing.devices import Device
 
 CACHE_ENV = "HF_LOWZERO_CACHE"
 SECONDS_PER_FIGURE = 0.4
+FIGURES = 2  # the figures' version: a cache of other figures is measured again
 
 
 def cpu_device() -> Device:
@@ -98,6 +112,8 @@ def measure() -> dict:
     for name, fn in (("matmul_fp32", _matmul(torch.float32)), ("matmul_bf16", _matmul(torch.bfloat16))):
         figures[name] = [_with_threads(1, fn), _with_threads(threads, fn)]
     figures["bandwidth"] = [_with_threads(1, _bandwidth), _with_threads(threads, _bandwidth)]
+    figures["bandwidth_math"] = [_with_threads(1, _bandwidth_math), _with_threads(threads, _bandwidth_math)]
+    figures["attention"] = [_with_threads(1, _attention), _with_threads(threads, _attention)]
     figures["dispatch_s"] = _with_threads(1, _dispatch)  # Python's share: one thread (more spin on a loaded machine)
     figures.update(_gloo())
     return figures
@@ -143,6 +159,33 @@ def _bandwidth() -> float:
         y = torch.nn.functional.gelu(h) * h + x
         torch.softmax(y, dim=-1).sum().backward()
 
+    return _bytes_per_second(block)
+
+
+def _bandwidth_math() -> float:
+    """Bytes per second of the ops that compute per element ([Note: the CPU's own rates])."""
+    x = torch.randn(512, 512, requires_grad=True)
+    norm = torch.nn.LayerNorm(512)
+
+    def block() -> None:
+        torch.softmax(torch.nn.functional.gelu(norm(x)), dim=-1).backward(x)
+
+    return _bytes_per_second(block)
+
+
+def _attention() -> float:
+    """FLOPs per second of the flash attention's forward and backward ([Note: the CPU's own rates])."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = (4, 4, 128, 32)  # batch, heads, tokens, head size: a small model's
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape)
+    flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    return _rate(flops, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(grad))
+
+
+def _bytes_per_second(block) -> float:
+    """The bytes ``block``'s ops move per second of their own, its ops' dispatch left out."""
     ops, nbytes = _counted(block)
     seconds = 1.0 / _rate(1.0, block) - ops * _with_threads(1, _dispatch)
     return nbytes / max(seconds, 1e-9)
@@ -226,6 +269,7 @@ def _in_threads(fn) -> None:
 
 def cache_path() -> Path:
     """Where this machine's figures are kept (see the module docstring)."""
-    key = f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    machine = f"{platform.processor()}|{platform.machine()}|{os.cpu_count()}"
+    key = f"{FIGURES}|{machine}|{torch.__version__}|{torch.get_num_threads()}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "hf_lowzero")) / f"timing_cpu_{tag}.json"

@@ -21,7 +21,9 @@ Example::
 #   A group of one sends nothing.
 # - On ``cpu`` every op is the host's, at the rates ``calibrate.py`` measured at one thread and at
 #   all (efficiency 1; in between, linear up to all's), and a collective is gloo's measured latency
-#   and bandwidth.
+#   and bandwidth. Its flash attention takes its FLOPs at the attention rate it measured, and the
+#   ops that compute per element their bytes at the bandwidth it measured for them ([Note: the
+#   CPU's own rates] in ``calibrate.py``); a calibration without them prices both as the others.
 
 # [Note: autocast on fake GPUs]
 # The plain Trainer's row (stage 0) trains fp32 params under 16-bit autocast. On a GPU, autocast
@@ -32,7 +34,7 @@ Example::
 
 from __future__ import annotations
 
-from hf_lowzero.timing.counting import OpWork
+from hf_lowzero.timing.counting import CPU_ATTENTION, PER_ELEMENT_MATH, OpWork
 from hf_lowzero.timing.devices import Target
 
 MATMUL_EFFICIENCY = 0.75
@@ -63,6 +65,9 @@ class Costs:
             self.matmul = {d: _at_threads(m[f"matmul_{d}"], threads) for d in ("fp32", "bf16")}
             self.bandwidth = _at_threads(m["bandwidth"], threads)
             self.host_flops, self.host_bandwidth = self.matmul["fp32"], self.bandwidth
+            own = {"attention": CPU_ATTENTION, "bandwidth_math": PER_ELEMENT_MATH}  # [Note: the CPU's own rates]
+            self.own_rates = {op: _at_threads(m[figure], threads) for figure, ops in own.items() if figure in m
+                              for op in ops}  # fmt: skip
         else:
             self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
             self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -70,6 +75,7 @@ class Costs:
                 self.matmul["fp32"] = self.matmul["bf16"]
             self.host_flops = device.host_flops_per_thread * threads
             self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
+            self.own_rates = {}
 
     @property
     def dispatch(self) -> float:
@@ -80,8 +86,11 @@ class Costs:
         """A kernel on the device (on ``cpu``: the op on the host)."""
         if not work.launches:
             return 0.0
+        own = self.own_rates.get(work.name)
+        if own is not None and work.name in CPU_ATTENTION:
+            return work.flops / own + self.target.device.launch_s
         compute = work.flops / self.matmul.get(work.matmul_dtype, self.matmul["fp32"])
-        return max(compute, work.nbytes / self.bandwidth) + self.target.device.launch_s
+        return max(compute, work.nbytes / (own or self.bandwidth)) + self.target.device.launch_s
 
     def host(self, work: OpWork) -> float:
         """An op on host tensors, at the host's rates for its threads."""

@@ -37,6 +37,22 @@ _NO_KERNEL = frozenset(
 )  # fmt: skip
 
 
+# The CPU's flash attention, forward and backward: torch's FLOP formulas do not list them
+# (``record.py`` counts them as the GPU's), and on ``cpu`` they run at a rate of their own
+# ([Note: the CPU's own rates] in ``calibrate.py``).
+CPU_ATTENTION = frozenset(
+    {"aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention_for_cpu_backward"}
+)
+
+# Ops that compute per element (``erf``, ``exp``, a row's mean and variance) more than they move
+# bytes: on ``cpu`` they run at a bandwidth of their own ([Note: the CPU's own rates]).
+PER_ELEMENT_MATH = frozenset(
+    f"aten.{name}"
+    for name in ("native_layer_norm", "native_layer_norm_backward", "gelu", "gelu_backward", "_softmax",
+                 "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data")
+)  # fmt: skip
+
+
 # Ops that read a tensor's metadata: a real tensor answers them without the dispatcher.
 _QUERIES = frozenset(
     f"aten.{name}"

@@ -135,12 +135,24 @@ def default_device(backend: str) -> str:
     import torch
 
     if torch.version.cuda is not None and torch.cuda.is_available():  # a real GPU (fake ones: a CPU build)
-        name = torch.cuda.get_device_name(0).upper().replace(" ", "")
-        for key in sorted(DEVICES, key=len, reverse=True):
-            model, _, memory = key.partition("-")
-            if model in name and (not memory or memory in name):
-                return key
+        return table_name(torch.cuda.get_device_name(0)) or "H100"
     return "H100"
+
+
+def table_name(gpu_name: str) -> str | None:
+    """The table's name for a GPU as CUDA names it, or None when the table lacks it.
+
+    Example::
+
+        >>> table_name("NVIDIA H100 80GB HBM3"), table_name("NVIDIA A100-SXM4-40GB"), table_name("Tesla T4")
+        ('H100', 'A100-40GB', None)
+    """
+    name = gpu_name.upper().replace(" ", "")
+    for key in sorted(DEVICES, key=len, reverse=True):
+        model, _, memory = key.partition("-")
+        if model in name and (not memory or memory in name):
+            return key
+    return None
 
 
 def parse_bandwidth(text: str | float) -> float:

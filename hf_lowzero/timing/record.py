@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from hf_lowzero.timing.counting import OpWork, is_collective_op, is_query, op_work
+from hf_lowzero.timing.counting import CPU_ATTENTION, OpWork, is_collective_op, is_query, op_work
 
 HOST = "host"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
@@ -102,7 +102,7 @@ class StepRecorder(TorchDispatchMode):
         if is_query(func):  # a real tensor answers it without the dispatcher
             return
         work = op_work(func, args, kwargs, out)
-        if work.name in _CPU_ATTENTION:
+        if work.name in CPU_ATTENTION:
             work = _with_cpu_attention(args, work)
         steps = self.program.steps
         tensors = _tensors(args, kwargs, out) if self.ops is not None else []
@@ -200,10 +200,6 @@ _C10D_NAMES = {
     "allgather_base": "all_gather",
     "allgather_into_tensor_coalesced": "all_gather",
     "alltoall_base": "all_to_all",
-}
-_CPU_ATTENTION = {
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
 }
 
 

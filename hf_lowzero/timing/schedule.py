@@ -12,6 +12,10 @@
   update leaves in flight run into the next step, and the next forward waits for them where the
   code says; the first boundary's update plays the previous step, so the step between the two
   boundaries pays for exactly what it waits for.
+- The step's FLOPs (for MFU) are those of the ops the program issues between the two boundaries,
+  wherever the timeline runs them: on a GPU the host may issue a whole forward and backward before
+  the previous update has run (stage 0, with nothing to wait for), so the times it issues them at
+  can lie before the step's start.
 - ``comm hidden``: of the collectives' time inside the step, the share during which the host or
   some other stream was busy with work (compute, copies, the host step).
 
@@ -37,7 +41,8 @@ class Timeline:
 
     lanes: dict[str, list[tuple[float, float, str]]] = field(default_factory=dict)
     boundaries: list[float] = field(default_factory=list)
-    flops: list[tuple[float, float]] = field(default_factory=list)  # (time issued, FLOPs) of matmul-like work
+    # the matmul-like FLOPs issued before each boundary, since the one before ([Note: the schedule])
+    flops: list[float] = field(default_factory=list)
 
     def step_time(self) -> StepTime:
         """The last step: between the last two boundaries (or from 0 to the only one)."""
@@ -52,14 +57,13 @@ class Timeline:
         hidden = _overlap(_union(comm_in), _union(_clip(busy, start, end)))
         host = [(a, b) for a, b, kind in self.lanes.get(HOST, []) if kind == "host"]
         copies = [(a, b) for lane in self.lanes.values() for a, b, kind in lane if kind == "copy"]
-        flops = sum(f for t, f in self.flops if start <= t < end)
         return StepTime(
             seconds=end - start,
             comm_seconds=comm_s,
             comm_hidden=hidden / comm_s if comm_s > 0 else None,
             host_seconds=sum(b - a for a, b in _clip(host, start, end)),
             copy_seconds=sum(b - a for a, b in _clip(copies, start, end)),
-            flops=flops,
+            flops=self.flops[-1],
         )
 
 
@@ -85,6 +89,7 @@ def schedule(program: Program, costs: Costs) -> Timeline:
     lanes = timeline.lanes
     dispatch = costs.dispatch
     comm_contexts: set[str] = set()
+    flops = 0.0  # issued since the last boundary
     for step in program.steps:
         what = step[0]
         if what == "run":
@@ -102,8 +107,8 @@ def schedule(program: Program, costs: Costs) -> Timeline:
                 host += dispatch  # a view or an allocation: the host's dispatch only
                 continue
             host += dispatch
-            if kind in ("kernel", "host") and work.flops:
-                timeline.flops.append((host, work.flops))
+            if kind in ("kernel", "host"):
+                flops += work.flops
             if context == HOST:
                 start, host = host, host + seconds
             else:
@@ -124,6 +129,8 @@ def schedule(program: Program, costs: Costs) -> Timeline:
         elif what == "boundary":
             busy = [t for c, t in ready.items() if c not in comm_contexts]
             timeline.boundaries.append(max([host, *busy]))
+            timeline.flops.append(flops)
+            flops = 0.0
     return timeline
 
 

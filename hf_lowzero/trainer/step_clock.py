@@ -15,6 +15,11 @@ Example::
     print(step_time_line(clock.step_times_s, clock.predicted_s))
     # step time: measured median 45.3 ms over 40 steps; the plan predicted 41.2 ms: measured/predicted 1.10
 
+# [Note: the device named]
+# The start's line and the job's hint name the device the run trains on (``trained_on``): the plan
+# may have timed another (``--device H100`` for a GPU its table lacks, or a plan made elsewhere), and
+# then the line says both, so that the end's ratio is not read as the model's error on this device.
+
 # [Note: the measured step]
 # The time runs from the step's first micro-batch to the end of its update, as the plan's step
 # does. The data loader's wait for the first batch, logging and checkpoints fall outside. Nothing
@@ -30,9 +35,12 @@ import statistics
 import time
 from collections.abc import Sequence
 
+import torch
 from transformers import TrainerCallback
 
-from hf_lowzero.plan.report import MemoryPlan, seconds_text
+from hf_lowzero.plan.report import MemoryPlan, format_bytes, seconds_text
+from hf_lowzero.timing.devices import table_name
+from hf_lowzero.trainer.auto import host_share
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +78,13 @@ class PlannedStepTime(TrainerCallback):
         if self.predicted_s is None:
             logger.info(f"[hf_lowzero] plan: no step time predicted for {label} (no plan ran): {self.how_to_plan}")
             return
-        target = self.plan.timed_for
+        timed_for, used = self.plan.timed_for.get("device", "?"), trained_on(args)
+        where = f"on {self.plan.world_size} x {used}"
+        if timed_for != used:  # [Note: the device named]
+            where = f"timed for {self.plan.world_size} x {timed_for}, though this run trains on {used},"
         logger.info(
-            f"[hf_lowzero] plan: {label} on {self.plan.world_size} x {target.get('device', '?')} predicts "
-            f"{seconds_text(self.predicted_s)} per step (measured against it at the end)"
+            f"[hf_lowzero] plan: {label} {where} predicts {seconds_text(self.predicted_s)} per step "
+            "(measured against it at the end)"
         )
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -85,6 +96,35 @@ class PlannedStepTime(TrainerCallback):
         if self._started is not None:
             self.step_times_s.append(time.perf_counter() - self._started)
             self._started = None
+
+
+def trained_on(args) -> str:
+    """The device the run trains on, as the plan's ``--device`` names it ([Note: the device named]):
+    ``cpu``, the device table's name of its GPU, or CUDA's name of a GPU the table lacks."""
+    device = args.device
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    return table_name(name) or name
+
+
+def plan_device_flags(args) -> str:
+    """The plan command's flags for the device the run trains on ([Note: the device named]).
+
+    Example::
+
+        plan_device_flags(trainer.args)   # "--device H200" on an H200; "--device cpu --device-memory 7.52 GiB"
+    """
+    used = trained_on(args)
+    if used == "cpu":
+        return f"--device cpu --device-memory {_size(host_share())}"
+    if table_name(used) is None:  # the table lacks it: its memory, and the plan times for its default
+        return f"--device-memory {_size(torch.cuda.get_device_properties(args.device).total_memory)}"
+    return f"--device {used}"
+
+
+def _size(nbytes: int) -> str:
+    return format_bytes(nbytes).replace(" ", "")
 
 
 def step_time_line(step_times_s: Sequence[float], predicted_s: float | None) -> str:

@@ -46,7 +46,7 @@ from hf_lowzero.ray.run_config import merge_run_config, with_job_callbacks
 from hf_lowzero.recipes.clm import clm_trainer
 from hf_lowzero.recipes.clm_ray.attempts import record_attempt
 from hf_lowzero.recipes.clm_ray.job_config import RayFinetuneConfig
-from hf_lowzero.trainer.step_clock import PlannedStepTime
+from hf_lowzero.trainer.step_clock import PlannedStepTime, plan_device_flags
 
 
 def run_finetune(config: RayFinetuneConfig, **build_kwargs) -> ray.train.Result:
@@ -179,10 +179,9 @@ def _how_to_plan(config: RayFinetuneConfig, args) -> str:
     hint = "--zero-stage auto plans the job as it starts and predicts its step time here"
     if config.model_name_or_path is None:  # the built-in tiny GPT-2: no folder for the command to read
         return hint
-    device = "H100" if config.use_gpu else "cpu --device-memory 8GiB"  # or the workers' GPU's name
     return (
         f"{hint}; or, beforehand: python -m hf_lowzero.plan --model {config.model_name_or_path} --world-size "
-        f"{args.world_size} --device {device} --seq-len {config.clm_arguments().block_size} "
+        f"{args.world_size} {plan_device_flags(args)} --seq-len {config.clm_arguments().block_size} "
         f"--per_device_train_batch_size {args.per_device_train_batch_size} "
         f"--gradient_accumulation_steps {args.gradient_accumulation_steps}"
     )
