@@ -25,6 +25,8 @@ from hf_lowzero.recipes.clm_ray import RayFinetuneConfig  # noqa: E402
 from tests.ray_reference import losses_without_ray  # noqa: E402
 from tests.tiers import ray_nodes_run  # noqa: E402
 
+# .ci/run runs this module's Ray tests after the rest, in that lane: they start a cluster of their own (tests/tiers.py).
+pytestmark = pytest.mark.ray_late
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ray_jobs"))  # the fake cluster is demo and test code, not the library's
 from local_cluster import LocalAutoscalingCluster, WorkerNodeSampler, load_fake_cluster_config  # noqa: E402

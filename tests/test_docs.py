@@ -5,6 +5,7 @@ longer runs fails here. How each block is checked is its directive (``tests/docs
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import re
 import shlex
@@ -29,8 +30,8 @@ TRANSCRIPTS = [b for b in ALL if b.directive.startswith("transcript")]
 
 def _param(block: Block):
     marks = [pytest.mark.slow] if block.slow else []
-    if block.slow and Path(block.file).name.startswith("ray"):  # the Ray guides' examples start Ray
-        marks.append(pytest.mark.ray_cluster)
+    if block.slow and Path(block.file).name.startswith("ray"):  # the Ray guides' examples start Ray,
+        marks += [pytest.mark.ray_cluster, pytest.mark.ray_late]  # each its own: after the rest (tests/tiers.py)
     return pytest.param(block, id=block.id, marks=marks)
 
 
@@ -129,17 +130,24 @@ def test_ci_runs_the_readme_test_command_as_given():
 
 
 def test_ci_runs_every_slow_test_in_one_lane_that_prints_its_15_slowest():
-    """.ci/run's slow-tier lanes (tests/tiers.py): their marker expressions split the slow tier with no test in two
-    lanes and none left out, and each lane prints its 15 slowest tests."""
+    """.ci/run's slow-tier lanes (tests/tiers.py): their marker expressions split the slow tier with no test run twice
+    and none left out (the rest, then ray_late, in one lane; the two Ray lanes), and each run prints its 15 slowest
+    tests."""
     text = (ROOT / ".ci/run").read_text()
     runs = [line for line in text.splitlines() if "python -m pytest" in line and '"not slow"' not in line]
     assert runs and all("--durations=15" in line for line in runs), runs
-    expressions = re.findall(r'-m "([^"$]+)"', text) + re.findall(r'^ray_lane \w+ "([^"]+)"$', text, re.M)
-    lanes = [m for m in expressions if m != "not slow"]
-    assert len(lanes) == 3, lanes
-    for marks in [{"slow"}, {"slow", "ray_cluster"}, {"slow", "ray_cluster", "ray_nodes"}, {"slow", "ray_nodes"}]:
-        chosen = [m for m in lanes if eval(m, {}, {k: k in marks for k in ("slow", "ray_cluster", "ray_nodes")})]
+    expressions = re.findall(r'-m "([^"$]+)"', text) + re.findall(r'^ray_lane \w+ "([^"]+)"', text, re.M)
+    groups = [m for m in expressions if m != "not slow"]
+    assert len(groups) == 4, groups
+    names = ("slow", "ray_cluster", "ray_nodes", "ray_late")
+    for extra in itertools.product([False, True], repeat=3):
+        marks = {"slow"} | {name for name, on in zip(names[1:], extra) if on}
+        chosen = [m for m in groups if eval(m, {}, {k: k in marks for k in names})]
         assert len(chosen) == 1, (marks, chosen)
+    late = re.search(
+        r'^python -m pytest -q -m "slow and not ray_cluster".*\n(?:\w+=0\n)?ray_lane \w+ "([^"]+)"', text, re.M
+    )
+    assert late and "ray_late" in late.group(1), "the rest's lane no longer runs the ray_late tests after the rest"
 
 
 def _commands(block: Block) -> list[str]:

@@ -87,8 +87,10 @@ class HoldForNodeKill(TrainerCallback):
             taker.wait()
         nodes = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-        if dist.get_rank() == 0:
-            self.signal.write_text(json.dumps(nodes))
+        if dist.get_rank() == 0:  # whole or not at all: the test reads it as soon as it exists
+            written = self.signal.with_name(self.signal.name + ".partial")
+            written.write_text(json.dumps(nodes))
+            written.rename(self.signal)
         time.sleep(HOLD_TIMEOUT_S)
         raise RuntimeError(f"no node was killed within {HOLD_TIMEOUT_S} s of step {self.step}")
 
