@@ -20,6 +20,7 @@ from hf_lowzero.ray import events, restore  # noqa: E402
 from hf_lowzero.ray.console import ConsoleProgress  # noqa: E402
 from hf_lowzero.ray.events import (  # noqa: E402
     RAY_BACKEND_SHUTDOWN_LOGGER,
+    RAY_RESOURCE_REQUEST_LOGGER,
     RAY_TRAINING_ERROR_LOGGER,
     ConsoleEvents,
     designed,
@@ -142,3 +143,46 @@ def test_a_restarts_line_says_where_it_resumed(caught, monkeypatch, source, expe
     args = types.SimpleNamespace(world_size=2, zero_stage=2)
     ConsoleProgress(attempt=2).on_train_begin(args, state, control=None)
     assert printed == [f"[hf_lowzero] attempt 2: resuming at step 13/40{expected} on 2 workers, ZeRO stage 2"]
+
+
+def test_a_resource_request_that_timed_out_is_one_line_without_its_traceback(caught, monkeypatch):
+    """Ray's own warning, from its own client, when its 5 s wait for the autoscaling coordinator times out
+    under load: the line stays, the traceback goes; any other warning of that logger keeps its traceback."""
+    import io
+
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as client
+
+    assert client.logger.name == RAY_RESOURCE_REQUEST_LOGGER
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log = client.logger
+    saved = (list(log.filters), log.propagate)
+    log.addHandler(handler)
+    log.propagate = False
+    caught("hf_lowzero")  # the controller's console for our lines: restored afterwards
+    try:
+        ConsoleEvents().after_controller_start(train_run_context=None)
+
+        coordinator = types.SimpleNamespace(request_resources=types.SimpleNamespace(remote=lambda **kwargs: "ref"))
+        requester = client.TrainAutoscalingCoordinatorClient("run")
+        requester.__dict__["_autoscaling_coordinator"] = coordinator  # its cached_property, filled
+        scaling = ScalingConfig(num_workers=2)
+
+        def timed_out(*args, **kwargs):
+            raise TimeoutError("GetTimeoutError: 5 s")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(client.ray, "get", timed_out)
+            requester.send_resource_request(scaling, 2)
+        try:
+            raise ValueError("another")
+        except ValueError:
+            log.warning("something else", exc_info=True)
+    finally:
+        log.removeHandler(handler)
+        log.filters, log.propagate = saved
+    text = out.getvalue()
+    first, rest = text.split("something else", 1)
+    assert first.startswith("Failed to send resource request for run.") and "Traceback" not in first
+    assert "Traceback" in rest and "ValueError: another" in rest

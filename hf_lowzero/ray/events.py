@@ -29,6 +29,12 @@ Example::
 #   the raylet publishes it to the driver for every worker process that exits without telling Ray, a
 #   killed one included, and the driver prints it from Ray's own thread. Nothing outside Ray's private
 #   functions can hold it back, so the injected failure's line says that it comes.
+# - The controller's "Failed to send resource request for ... it's safe to ignore this error" and a
+#   ``GetTimeoutError`` traceback (ray/train/v2/_internal/execution/scaling_policy/
+#   autoscaling_coordinator_client.py, WARNING): its request to Ray's autoscaling coordinator waits
+#   5 s, and on a machine whose cores are all busy (three Ray jobs on 2 cores, in CI) it times out.
+#   Ray's message says itself that a transient one is harmless. ``ConsoleEvents`` keeps its one line
+#   and drops the traceback: a run that cannot reach the coordinator still says so at every request.
 # - A restart: Ray Train says nothing on the console (its decision is logged at INFO); the first
 #   rank's attempt line (``ConsoleProgress``) is the event's line, with where it resumes.
 # - A resize (the cluster has room for more workers): Ray Train stops the group and starts a larger
@@ -49,6 +55,7 @@ from ray.train.v2._internal.execution.controller.state import ResizingState
 # The loggers of Ray Train 2.60 that print what [Note: designed events] says.
 RAY_TRAINING_ERROR_LOGGER = "ray.train.v2._internal.util"
 RAY_BACKEND_SHUTDOWN_LOGGER = "ray.train.v2._internal.callbacks.backend_setup"
+RAY_RESOURCE_REQUEST_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 _DESIGNED = "_hf_lowzero_designed"
 
 logger = logging.getLogger(__name__)
@@ -118,8 +125,9 @@ def _not_a_designed_error(record: logging.LogRecord) -> bool:
 
 class ConsoleEvents(ControllerCallback):
     """A Ray Train controller callback for the controller's side of [Note: designed events]: one line
-    when the worker group is resized, and none of Ray's traceback for the shutdown of a group with a
-    dead worker. The Ray job adds it; add it to your own ``RunConfig(callbacks=[...])``.
+    when the worker group is resized, none of Ray's traceback for the shutdown of a group with a
+    dead worker, and one line without traceback for a resource request that timed out. The Ray job
+    adds it; add it to your own ``RunConfig(callbacks=[...])``.
 
     Example::
 
@@ -131,11 +139,14 @@ class ConsoleEvents(ControllerCallback):
         self.workers: int | None = None
 
     def after_controller_start(self, train_run_context: Any) -> None:
-        """On the controller: its console for ``hf_lowzero`` lines, and the filter of the shutdown warning."""
+        """On the controller: its console for ``hf_lowzero`` lines, and the filters of Ray's warnings."""
         _controller_console()
         shutdown = logging.getLogger(RAY_BACKEND_SHUTDOWN_LOGGER)
         if _not_the_expected_shutdown_failure not in shutdown.filters:
             shutdown.addFilter(_not_the_expected_shutdown_failure)
+        requests = logging.getLogger(RAY_RESOURCE_REQUEST_LOGGER)
+        if _one_line_request_timeout not in requests.filters:
+            requests.addFilter(_one_line_request_timeout)
 
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> None:
         """Remember the size of the group being started."""
@@ -176,3 +187,9 @@ def _controller_console() -> None:
 
 def _not_the_expected_shutdown_failure(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Graceful shutdown of backend failed")
+
+
+def _one_line_request_timeout(record: logging.LogRecord) -> bool:
+    if record.getMessage().startswith("Failed to send resource request"):
+        record.exc_info, record.exc_text = None, None  # the line stays, its traceback goes
+    return True
