@@ -65,9 +65,9 @@ class Costs:
             self.matmul = {d: _at_threads(m[f"matmul_{d}"], threads) for d in ("fp32", "bf16")}
             self.bandwidth = _at_threads(m["bandwidth"], threads)
             self.host_flops, self.host_bandwidth = self.matmul["fp32"], self.bandwidth
-            own = {"attention": CPU_ATTENTION, "bandwidth_math": PER_ELEMENT_MATH}  # [Note: the CPU's own rates]
-            self.own_rates = {op: _at_threads(m[figure], threads) for figure, ops in own.items() if figure in m
-                              for op in ops}  # fmt: skip
+            # [Note: the CPU's own rates]: per op, a FLOP rate (attention) or a bandwidth (per-element math)
+            self.own_flops = _per_op(m, "attention", CPU_ATTENTION, threads)
+            self.own_bandwidth = _per_op(m, "bandwidth_math", PER_ELEMENT_MATH, threads)
         else:
             self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
             self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -75,7 +75,7 @@ class Costs:
                 self.matmul["fp32"] = self.matmul["bf16"]
             self.host_flops = device.host_flops_per_thread * threads
             self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
-            self.own_rates = {}
+            self.own_flops, self.own_bandwidth = {}, {}
 
     @property
     def dispatch(self) -> float:
@@ -86,11 +86,12 @@ class Costs:
         """A kernel on the device (on ``cpu``: the op on the host)."""
         if not work.launches:
             return 0.0
-        own = self.own_rates.get(work.name)
-        if own is not None and work.name in CPU_ATTENTION:
-            return work.flops / own + self.target.device.launch_s
+        flops_rate = self.own_flops.get(work.name)
+        if flops_rate is not None:
+            return work.flops / flops_rate + self.target.device.launch_s
         compute = work.flops / self.matmul.get(work.matmul_dtype, self.matmul["fp32"])
-        return max(compute, work.nbytes / (own or self.bandwidth)) + self.target.device.launch_s
+        bandwidth = self.own_bandwidth.get(work.name, self.bandwidth)
+        return max(compute, work.nbytes / bandwidth) + self.target.device.launch_s
 
     def host(self, work: OpWork) -> float:
         """An op on host tensors, at the host's rates for its threads."""
@@ -110,6 +111,14 @@ class Costs:
             return self.target.device.launch_s
         share = ALGORITHM_BYTES.get(op, ALGORITHM_BYTES["all_reduce"])(group_size)
         return self.target.device.latency_s + share * nbytes / self.target.bus_bandwidth(group_size)
+
+
+def _per_op(measured: dict, figure: str, ops: frozenset, threads: int) -> dict[str, float]:
+    """``figure``'s rate at ``threads`` for each of ``ops``; none when the calibration lacks it."""
+    if figure not in measured:
+        return {}
+    rate = _at_threads(measured[figure], threads)
+    return dict.fromkeys(ops, rate)
 
 
 def _at_threads(measured: list[float], threads: int) -> float:
