@@ -13,8 +13,6 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
 - ``zero1_reduce_scatter``: stage 1 without [Note: replicated reduction] (``grads/replicated.py``):
   the bucket reduce-scattered and the step's norm and flags all-reduced, three synchronizations per
   step where ``zero1`` has two on a model of one small bucket;
-- ``zero1_wait_at_issue``: the step waits for its gather as soon as it starts it, not at the
-  step's end ([Note: the step's last wait] in ``update/allgather.py``);
 - ``zero1_torch_unpack``: the gathered bucket unpacked by torch's ``split_with_sizes_copy``, not
   by one call of our kernel ([Note: one call per unpack] in ``layout/row_scatter.py``);
 - ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
@@ -61,7 +59,6 @@ from hf_lowzero.zero.grads import replicated  # noqa: E402
 from hf_lowzero.zero.grads.norm import float64_squared_norm, squared_norm  # noqa: E402
 from hf_lowzero.zero.layout import row_scatter  # noqa: E402
 from hf_lowzero.zero.runtime import comm  # noqa: E402
-from hf_lowzero.zero.update import allgather  # noqa: E402
 
 ROUNDS, WARMUP = 20, 2
 MODELS = {  # name: (build, steps per round)
@@ -75,7 +72,7 @@ def no_all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op: str =
     """``comm.all_reduce`` that leaves each rank's tensor as it is (``zero2_no_norm_sync``)."""
 
 
-SWITCHES = {"POINT_TO_POINT_MIN_BYTES": comm, "all_reduce": comm, "HOLD_MAX_BUCKETS": allgather}  # name: its module
+SWITCHES = {"POINT_TO_POINT_MIN_BYTES": comm, "all_reduce": comm}  # name: its module
 CURRENT = {name: getattr(module, name) for name, module in SWITCHES.items()}
 # The float64 norm's step-level variant is gone: the step's norm is the blocked one, inside
 # StepStats.decide, and nothing swaps it; the two norms are compared directly below (norm_timings).
@@ -83,7 +80,6 @@ VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the cu
     "ddp_fused": ("ddp_fused", {}, {}),
     "zero1": ("zero1", {}, {}),
     "zero1_reduce_scatter": ("zero1", {}, {}),
-    "zero1_wait_at_issue": ("zero1", {"HOLD_MAX_BUCKETS": 0}, {}),
     "zero1_torch_unpack": ("zero1", {}, {}),
     "zero1_verify_every_1": ("zero1", {}, {"verify_every": 1}),
     "zero1_verify_off": ("zero1", {}, {"verify_every": "off"}),
@@ -242,9 +238,8 @@ def main() -> None:
         "of any param from ddp_fused's after all the steps. zero1_verify_every_1 and zero1_verify_off (diagnostics: "
         "what a verify step costs, and what the checks' default, verify_every='auto', costs): checks at every "
         "step, and none. zero1_reduce_scatter: stage 1 without the replicated reduction (the bucket "
-        "reduce-scattered, the norm and flags all-reduced: three syncs per step, not two). zero1_wait_at_issue: the "
-        "step waits for its all-gather as it starts it, not at the step's end. zero1_torch_unpack: the gathered "
-        "bucket unpacked by torch's split_with_sizes_copy, not by one call of our kernel. "
+        "reduce-scattered, the norm and flags all-reduced: three syncs per step, not two). zero1_torch_unpack: the "
+        "gathered bucket unpacked by torch's split_with_sizes_copy, not by one call of our kernel. "
         "zero2_p2p_small_buckets: point-to-point "
         f"exchanges for buckets under {comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a "
         "diagnostic: what the step's one small all-reduce costs): the norm/used-flags all-reduce skipped, each "

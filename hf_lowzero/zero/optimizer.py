@@ -236,19 +236,16 @@ class LowLevelZeroOptimizer(OptimizerFacade):
             with profiler_range("hf_lowzero::widen_rows"):  # [Note: 16-bit rows]: torch's step reads fp32 rows
                 if self.reducer.store.widen_all():
                     reduced = [self.reducer.reduced(bucket) for bucket in self.buckets]
-        try:
-            with self._factor.applied(reduced, coef, host_kernel=ours):
-                self.apply_update(verdict.used, hold=True)
-            self.scaler.update(overflow=False)
-            self.counts.consecutive = 0
-            self.integrity.end_step(skipped_nonfinite=False)
-            self._forget_gradients()  # every p.grad was consumed by the flush
-        finally:
-            self._parts.gather.settle()  # [Note: the step's last wait]: the params are current from here
+        with self._factor.applied(reduced, coef, host_kernel=ours):
+            self.apply_update(verdict.used)
+        self.scaler.update(overflow=False)
+        self.counts.consecutive = 0
+        self.integrity.end_step(skipped_nonfinite=False)
+        self._forget_gradients()  # every p.grad was consumed by the flush
         self.last_step_applied = True
         return True
 
-    def apply_update(self, used: torch.Tensor | None = None, *, hold: bool = False) -> None:
+    def apply_update(self, used: torch.Tensor | None = None) -> None:
         """The update of a step already decided, without the decision: no norm, clipping, skip or
         integrity check. ``step()`` runs it; a memory plan runs it alone on fake tensors.
 
@@ -260,8 +257,6 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         Args:
             used: A bool per managed param (``StepVerdict.used``): whether some rank used it; None
                 keeps the masks of the last step (none on a fresh optimizer).
-            hold: Leave small gathers in flight for the caller to land (``step()``: [Note: the
-                step's last wait] in ``update/allgather.py``).
         """
         parts = self._parts
         if used is not None:
@@ -274,7 +269,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
                 self.reducer.store.widen_all()  # [Note: 16-bit rows] (a no-op when already widened)
                 self.optim.step()  # whatever it syncs is its own, as without ZeRO (torch's Adafactor reads its step)
         with profiler_range("hf_lowzero::all_gather_issue"):
-            parts.gather.issue(hold=hold)
+            parts.gather.issue()
 
     def grad_norm(self) -> float:
         """Global L2 norm of this step's averaged, unscaled gradients (before clipping). Collective.

@@ -38,13 +38,6 @@ Example::
 # at a point where the step's activations are freed; each is released as its bucket is unpacked.
 # Without ``defer`` at most MAX_GATHERS_IN_FLIGHT are alive, all waited inside the step.
 
-# [Note: the step's last wait]
-# Without ``defer``, ``step()`` still returns with the params current, but need not wait the moment
-# the gathers start: where every bucket's gather fits MAX_GATHERS_IN_FLIGHT (the same buffers alive
-# as when waited one by one), ``issue(hold=True)`` leaves them in flight while the step finishes
-# its bookkeeping (the loss scale, the checks' schedule, the gradients dropped), and ``settle``, the
-# step's last act, lands them. On a small model the gather's latency is a tenth of the step.
-
 # [Note: rows sent as stepped]
 # With offload the host kernel steps the rows bucket by bucket, in the order ``issue`` sends them
 # (``host/adam_step.py``). As each bucket is done, ``upload`` starts its copy to the device
@@ -83,7 +76,6 @@ from hf_lowzero.zero.runtime.shard_group import ShardGroup
 from hf_lowzero.zero.update.write_gate import WriteGate
 
 MAX_GATHERS_IN_FLIGHT = 2  # without deferral: bounds the transient all-gather buffers
-HOLD_MAX_BUCKETS = MAX_GATHERS_IN_FLIGHT  # ``issue(hold=True)`` holds up to this many ([Note: the step's last wait])
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,16 +121,12 @@ class ParamGather:
     # -------------------------------------------------------------------------------- issue
 
     @torch.no_grad()
-    def issue(self, defer: bool | None = None, *, hold: bool = False) -> None:
+    def issue(self, defer: bool | None = None) -> None:
         """Start every bucket's gather, in forward order. Deferred (``self.defer``, or ``defer``
         given): return with them in flight; otherwise wait for each (at most
-        MAX_GATHERS_IN_FLIGHT at once) and return with the params current. ``hold``: where every
-        bucket's gather fits MAX_GATHERS_IN_FLIGHT, return with them in flight too; the caller
-        lands them with ``settle`` before anything can read the params ([Note: the step's last
-        wait])."""
+        MAX_GATHERS_IN_FLIGHT at once) and return with the params current."""
         self.wait_all()  # a gather never overlaps the next one into the same params
         defer = self.defer if defer is None else defer and self.shard.world_size > 1
-        defer = defer or (hold and len(self.buckets) <= HOLD_MAX_BUCKETS and self.shard.world_size > 1)
         in_flight: list[Gather] = []
         with dev.phase("gather"):
             for bucket in reversed(self.buckets):  # the forward's order ([Note: overlapped all-gather])
@@ -227,11 +215,6 @@ class ParamGather:
         with dev.phase("gather"):
             for gather in pending.values():
                 self._finish(gather)
-
-    def settle(self) -> None:
-        """Land what ``issue(hold=True)`` left in flight; with ``defer`` (the forward lands them) nothing."""
-        if not self.defer:
-            self.wait_all()
 
     def stale_slots(self) -> list[int]:
         """Slot indices of the params whose gathers are still pending (see [Note: overlapped all-gather])."""
