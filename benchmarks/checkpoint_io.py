@@ -29,9 +29,9 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from benchmarks.common import gpt2, write_results  # noqa: E402
+from hf_lowzero.checkpoint.atomic import atomic_write  # noqa: E402
 from hf_lowzero.checkpoint.layout import file_checksums  # noqa: E402
 from hf_lowzero.checkpoint.reader import ShardReader  # noqa: E402
-from hf_lowzero.checkpoint.shards import atomic_write  # noqa: E402
 
 ROUNDS = 9
 

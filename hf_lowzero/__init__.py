@@ -6,15 +6,22 @@ Example::
     opt = LowLevelZeroOptimizer(model, torch.optim.AdamW(model.parameters()), stage=2)
 """
 
-from hf_lowzero.checkpoint import (
-    CheckpointError,
-    consolidate_checkpoint,
-    full_state_dict,
-    load_checkpoint,
-    save_checkpoint,
-)
-from hf_lowzero.zero import ChainedOptimizer, LowLevelZeroOptimizer, MemoryReport, ZeroConfig
-from hf_lowzero.zero.integrity.checker import IntegrityError
+from typing import TYPE_CHECKING
+
+from hf_lowzero.lazy_names import lazy_names
+
+if TYPE_CHECKING:  # the exports, imported on first use (hf_lowzero/lazy_names.py)
+    from hf_lowzero.checkpoint.export import consolidate_checkpoint, full_state_dict
+    from hf_lowzero.checkpoint.load import load_checkpoint
+    from hf_lowzero.checkpoint.save import save_checkpoint
+    from hf_lowzero.checkpoint.shards import CheckpointError
+    from hf_lowzero.plan import plan_memory
+    from hf_lowzero.trainer import LowZeroTrainer, LowZeroTrainingArguments, with_zero
+    from hf_lowzero.zero.inner.chain import ChainedOptimizer
+    from hf_lowzero.zero.integrity.checker import IntegrityError
+    from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer
+    from hf_lowzero.zero.runtime.memory import MemoryReport
+    from hf_lowzero.zero.zero_config import ZeroConfig
 
 __all__ = [
     "ChainedOptimizer",
@@ -34,18 +41,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # The Trainer layer needs transformers; import it only when asked for, so that
-    # `import hf_lowzero` (and hf_lowzero.zero) works with torch alone.
-    if name in ("LowZeroTrainer", "LowZeroTrainingArguments", "with_zero"):
-        from hf_lowzero import trainer
-
-        return getattr(trainer, name)
-    if name == "plan_memory":  # simulates transformers models
-        from hf_lowzero.plan import plan_memory
-
-        return plan_memory
-    raise AttributeError(f"module 'hf_lowzero' has no attribute {name!r}")
-
+__getattr__, __dir__ = lazy_names(__name__)
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hf_lowzero import CheckpointError, load_checkpoint, save_checkpoint
 from hf_lowzero.checkpoint import save
-from hf_lowzero.checkpoint.shards import replace_synced
+from hf_lowzero.checkpoint.atomic import replace_synced
 from hf_lowzero.testing import run_distributed
 from tests.test_checkpoint import assert_unchanged, snapshot, train, tree
 from tests.test_load_errors import SHORT, build

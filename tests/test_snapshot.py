@@ -23,7 +23,8 @@ from transformers import TrainerCallback
 from hf_lowzero import LowZeroTrainer, consolidate_checkpoint
 from hf_lowzero.checkpoint.layout import CHECKSUM_CHUNK_NUMEL, META_FILE, TRAINER_SUBDIR, rank_file_name
 from hf_lowzero.snapshot import MARKER_FILE, ShardStager, payload_error, write_part, write_zero_metadata
-from hf_lowzero.snapshot.format import Frame, Manifest, encode_piece, write_piece
+from hf_lowzero.snapshot.format import encode_piece, write_piece
+from hf_lowzero.snapshot.frame import Frame, Manifest
 from hf_lowzero.snapshot.stager import _staging_like
 from hf_lowzero.testing import run_distributed
 from hf_lowzero.trainer.snapshot_files import rng_from_json, rng_to_json, trainer_manifest, write_trainer_files
@@ -188,7 +189,8 @@ def test_a_pieces_details_travel_in_its_file_and_only_its_frame_as_json(snapshot
     # [Note: details in the file]: what a holder is sent is a few hundred bytes, whatever the log's
     # length; the whole manifest comes back from the file, and changed details are refused.
     from hf_lowzero.snapshot.checks import piece_file_error
-    from hf_lowzero.snapshot.format import DETAILS_ALIGN, read_manifest
+    from hf_lowzero.snapshot.format import DETAILS_ALIGN
+    from hf_lowzero.snapshot.frame import read_manifest
 
     manifest = _manifest(snapshotted / "pieces" / "manifest_0.json")
     path = tmp_path / "piece"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_lowzero.snapshot.format import Frame
+from hf_lowzero.snapshot.frame import Frame
 from hf_lowzero.snapshot.held import HeldSnapshots
 from hf_lowzero.snapshot.protocol import (
     HeldStep,

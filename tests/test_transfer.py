@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hf_lowzero.snapshot.checks import payload_error, piece_file_error
-from hf_lowzero.snapshot.format import Frame, write_piece
+from hf_lowzero.snapshot.format import write_piece
+from hf_lowzero.snapshot.frame import Frame
 from hf_lowzero.snapshot.gate import HELLO_TIMEOUT_S, hello
 from hf_lowzero.snapshot.transfer import LENGTH, Endpoint, Link, ask_all
 

@@ -12,9 +12,16 @@ Example::
     load_checkpoint(opt, "out/step-100")   # collective: any saved world size -> the current one
 """
 
-from hf_lowzero.checkpoint.export import consolidate_checkpoint, full_state_dict
-from hf_lowzero.checkpoint.load import load_checkpoint
-from hf_lowzero.checkpoint.save import save_checkpoint
-from hf_lowzero.checkpoint.shards import CheckpointError
+from typing import TYPE_CHECKING
+
+from hf_lowzero.lazy_names import lazy_names
+
+if TYPE_CHECKING:  # the exports, imported on first use (hf_lowzero/lazy_names.py)
+    from hf_lowzero.checkpoint.export import consolidate_checkpoint, full_state_dict
+    from hf_lowzero.checkpoint.load import load_checkpoint
+    from hf_lowzero.checkpoint.save import save_checkpoint
+    from hf_lowzero.checkpoint.shards import CheckpointError
 
 __all__ = ["CheckpointError", "consolidate_checkpoint", "full_state_dict", "load_checkpoint", "save_checkpoint"]
+
+__getattr__, __dir__ = lazy_names(__name__)

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # a snapshot holder reads this module's names and CRC-32s, and imports no torch
+    import torch
 
 try:  # the same CRC-32 as zlib's, 4x faster ([Note: checksums])
     from isal.isal_zlib import crc32
@@ -142,6 +143,8 @@ def file_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def chunk_checksums(tensor: torch.Tensor) -> list[int]:
     """CRC-32 of each CHECKSUM_CHUNK_NUMEL-element chunk of ``tensor`` flattened (last one shorter)."""
+    import torch  # here, not at the top: see the TYPE_CHECKING import
+
     flat = tensor.detach().contiguous().reshape(-1)
     raw = memoryview(flat.view(torch.uint8).numpy())  # the bytes as stored (numpy has no bf16)
     return byte_chunk_checksums(raw, flat.element_size())

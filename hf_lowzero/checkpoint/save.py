@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from hf_lowzero.checkpoint.agree import agree
+from hf_lowzero.checkpoint.atomic import atomic_write, replace_synced
 from hf_lowzero.checkpoint.layout import (
     EXTRAS_FILE,
     META_FILE,
@@ -39,14 +40,7 @@ from hf_lowzero.checkpoint.layout import (
     rank_file_name,
     state_key,
 )
-from hf_lowzero.checkpoint.shards import (
-    ShardView,
-    atomic_write,
-    attributes_to_json,
-    replace_synced,
-    scalar_to_json,
-    unsharded_state,
-)
+from hf_lowzero.checkpoint.shards import ShardView, attributes_to_json, scalar_to_json, unsharded_state
 
 if TYPE_CHECKING:
     from hf_lowzero.zero.optimizer import LowLevelZeroOptimizer

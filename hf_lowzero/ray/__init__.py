@@ -16,15 +16,21 @@ causal-LM fine-tune job built from these pieces, ``run_finetune(RayFinetuneConfi
 (``ray_jobs/finetune.py``), is ``hf_lowzero.recipes.clm_ray``, above this package: import its names from there.
 """
 
-from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
-from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
-from hf_lowzero.ray.events import ConsoleEvents
-from hf_lowzero.ray.faults import InjectWorkerFailure
-from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
-from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
-from hf_lowzero.ray.reporting import ReportShardedCheckpoints
-from hf_lowzero.ray.run_config import merge_run_config
-from hf_lowzero.ray.snapshots import MemorySnapshots
+from typing import TYPE_CHECKING
+
+from hf_lowzero.lazy_names import lazy_names
+
+if TYPE_CHECKING:  # the exports, imported on first use (hf_lowzero/lazy_names.py)
+    from hf_lowzero.ray.console import ConsoleProgress, quiet_worker_console
+    from hf_lowzero.ray.elastic import RecordWorldSize, accumulation_for_global_batch
+    from hf_lowzero.ray.events import ConsoleEvents
+    from hf_lowzero.ray.faults import InjectWorkerFailure
+    from hf_lowzero.ray.holder_lifetime import ReleaseSnapshots
+    from hf_lowzero.ray.prepare import local_output_dir, prepare_trainer, resume_checkpoint
+    from hf_lowzero.ray.reporting import ReportShardedCheckpoints
+    from hf_lowzero.ray.run_config import merge_run_config
+    from hf_lowzero.ray.snapshots import MemorySnapshots
+
 
 __all__ = [
     "ConsoleEvents",
@@ -41,3 +47,5 @@ __all__ = [
     "quiet_worker_console",
     "resume_checkpoint",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__)

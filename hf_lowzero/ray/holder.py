@@ -47,11 +47,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.checkpoint.atomic import atomic_write
 from hf_lowzero.ray.holder_lifetime import NAMESPACE, RunIdentity, actor_alive, sweep_left_over_runs
 from hf_lowzero.snapshot import segments
 from hf_lowzero.snapshot.checks import payload_error, piece_length_error
-from hf_lowzero.snapshot.format import Frame, Manifest, read_manifest
+from hf_lowzero.snapshot.frame import Frame, Manifest, read_manifest
 from hf_lowzero.snapshot.held import HeldSnapshots
 from hf_lowzero.snapshot.priority import lower_this_process
 from hf_lowzero.snapshot.protocol import HolderIndex, Landed, LandRequest, MarkRequest
@@ -225,7 +225,7 @@ class SnapshotHolder:
 
     def manifest(self, step: int, rank: int) -> Manifest:
         """The whole manifest of rank ``rank``'s piece of ``step``, its details read from the piece
-        ([Note: details in the file] in ``format.py``; KeyError when not held, ValueError when the
+        ([Note: details in the file] in ``frame.py``; KeyError when not held, ValueError when the
         details do not match their checksum).
         """
         piece = self._held.piece(step, rank)

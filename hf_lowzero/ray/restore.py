@@ -32,7 +32,7 @@ from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR
 from hf_lowzero.ray.holder_lifetime import NAMESPACE, current_run, run_holders
 from hf_lowzero.snapshot.checkpoint_files import write_part, write_zero_metadata
 from hf_lowzero.snapshot.checks import safetensors_error
-from hf_lowzero.snapshot.format import Manifest
+from hf_lowzero.snapshot.frame import Manifest
 from hf_lowzero.snapshot.protocol import HolderIndex, run_marks
 from hf_lowzero.trainer.snapshot_files import write_trainer_files
 

@@ -8,10 +8,16 @@ protocol between ranks and holders (``protocol``) need no Ray; the holders thems
 actors, are ``hf_lowzero.ray.holder``.
 """
 
-from hf_lowzero.snapshot.checkpoint_files import write_part, write_zero_metadata
-from hf_lowzero.snapshot.checks import payload_error
-from hf_lowzero.snapshot.format import MARKER_FILE, Frame, Manifest, Piece, encode_piece
-from hf_lowzero.snapshot.stager import ShardStager, Staged
+from typing import TYPE_CHECKING
+
+from hf_lowzero.lazy_names import lazy_names
+
+if TYPE_CHECKING:  # the exports, imported on first use (hf_lowzero/lazy_names.py)
+    from hf_lowzero.snapshot.checkpoint_files import write_part, write_zero_metadata
+    from hf_lowzero.snapshot.checks import payload_error
+    from hf_lowzero.snapshot.format import MARKER_FILE, Piece, encode_piece
+    from hf_lowzero.snapshot.frame import Frame, Manifest
+    from hf_lowzero.snapshot.stager import ShardStager, Staged
 
 __all__ = [
     "MARKER_FILE",
@@ -25,3 +31,5 @@ __all__ = [
     "write_part",
     "write_zero_metadata",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__)

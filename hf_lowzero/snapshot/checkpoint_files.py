@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_lowzero.checkpoint.atomic import atomic_write
 from hf_lowzero.checkpoint.layout import EXTRAS_FILE, META_FILE, rank_file_name
-from hf_lowzero.checkpoint.shards import atomic_write
-from hf_lowzero.snapshot.format import Frame, Manifest
+from hf_lowzero.snapshot.frame import Frame, Manifest
 
 
 def zero_metadata(manifests: Mapping[int, Manifest]) -> dict[str, Any]:

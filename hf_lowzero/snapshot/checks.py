@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_lowzero.checkpoint.layout import byte_chunk_checksums, crc32
-from hf_lowzero.snapshot.format import DETAILS, Frame
+from hf_lowzero.snapshot.frame import DETAILS, Frame
 
 # Bytes per element of each safetensors dtype tag, to walk a payload's chunks without torch.
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,

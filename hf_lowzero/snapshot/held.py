@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_lowzero.snapshot import segments
-from hf_lowzero.snapshot.format import Frame
+from hf_lowzero.snapshot.frame import Frame
 from hf_lowzero.snapshot.protocol import HeldStep, HolderIndex, MarkRequest, StepMarks
 
 

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hf_lowzero.snapshot.format import Frame
+from hf_lowzero.snapshot.frame import Frame
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if own.json not in (None, "-"):
         from pathlib import Path
 
-        from hf_lowzero.checkpoint.shards import atomic_write
+        from hf_lowzero.checkpoint.atomic import atomic_write
 
         atomic_write(Path(own.json), lambda tmp: Path(tmp).write_text(text))
     if len(world_sizes) > 1:

@@ -34,7 +34,7 @@ import torch
 from transformers.trainer_callback import ExportableState
 from transformers.training_args import ParallelMode
 
-from hf_lowzero.checkpoint.shards import atomic_write
+from hf_lowzero.checkpoint.atomic import atomic_write
 from hf_lowzero.snapshot.format import MARKER_FILE
 from hf_lowzero.snapshot.json_text import EncodedList
 
