@@ -226,7 +226,7 @@ def test_a_step_of_more_tokens_takes_longer_and_stage_2_reduce_scatters_its_grad
 
 
 def test_the_simulated_step_issues_the_ops_a_real_step_issues():
-    """The recorded step of a tiny GPT-2 (fp32, W = 1, the plain Trainer's update) holds, op by op,
+    """The recorded step of a tiny GPT-2 (fp32, W = 1, the plain Trainer's clip and update) holds, op by op,
     what the same step on real tensors dispatches; no query of a fake tensor's metadata (1,577 of a
     small GPT-2 step's ops before they were left out)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -243,6 +243,7 @@ def test_the_simulated_step_issues_the_ops_a_real_step_issues():
 
     def step() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), training.zero["clip_grad_norm"])  # as the Trainer
         optimizer.step()
         optimizer.zero_grad()
 
