@@ -1,11 +1,11 @@
 """Memory snapshots of the training state (torch only): a checkpoint whose storage is node memory.
 
 ``ShardStager`` copies this rank's shard out of the training loop's way ([Note: double buffer]);
-``format`` turns the copy into a piece (a ``Manifest``, its ``Frame`` and details, and safetensors
-bytes, checksummed), and ``checkpoint_files`` pieces back into a checkpoint folder that
-``load_checkpoint`` reads at any world size. What a node keeps (``held``) and the records of the
-protocol between ranks and holders (``protocol``) need no Ray; the holders themselves, per-node Ray
-actors, are ``hf_lowzero.ray.holder``.
+``format`` turns the copy into a piece (safetensors bytes, checksummed, and its details), whose
+``Manifest`` and ``Frame`` are ``frame``'s (no torch: a holder reads them), and ``checkpoint_files``
+turns pieces back into a checkpoint folder that ``load_checkpoint`` reads at any world size. What
+a node keeps (``held``) and the records of the protocol between ranks and holders (``protocol``)
+need no Ray; the holders themselves, per-node Ray actors, are ``hf_lowzero.ray.holder``.
 """
 
 from typing import TYPE_CHECKING
