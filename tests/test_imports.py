@@ -28,16 +28,16 @@ def test_import_hf_lowzero_imports_no_torch():
 
 
 @pytest.mark.parametrize(
-    "module, expected",
+    "module",
     [
-        ("hf_lowzero.ray.holder", []),  # it checks, keeps and sends pieces' bytes: no tensor
-        ("hf_lowzero.ray.holder_lifetime", []),  # ReleaseSnapshots, on the controller
-        ("hf_lowzero.ray.events", []),  # ConsoleEvents, on the controller
+        "hf_lowzero.ray.holder",  # it checks, keeps and sends pieces' bytes: no tensor
+        "hf_lowzero.ray.holder_lifetime",  # ReleaseSnapshots, on the controller
+        "hf_lowzero.ray.events",  # ConsoleEvents, on the controller
     ],
 )
-def test_the_holder_and_the_controllers_callbacks_import_neither_torch_nor_transformers(module, expected):
+def test_the_holder_and_the_controllers_callbacks_import_neither_torch_nor_transformers(module):
     pytest.importorskip("ray")
-    assert heavy_imports(module) == expected
+    assert heavy_imports(module) == []
 
 
 @pytest.mark.parametrize("package", ["hf_lowzero", "hf_lowzero.ray", "hf_lowzero.checkpoint", "hf_lowzero.snapshot"])
