@@ -328,30 +328,36 @@ def test_the_docstring_check_covers_every_public_module():
     assert public <= checked, f"add to .ci/lint's docstring check: {sorted(public - checked)}"
 
 
-def test_no_markup_shows_through_on_any_page(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The docs site, built once for the tests that read its pages."""
+    out = tmp_path_factory.mktemp("site")
+    subprocess.run(["mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)], cwd=ROOT, check=True)
+    return out
+
+
+def test_no_markup_shows_through_on_any_page(site):
     """Every page of the built site, as a browser shows its text: no literal code fence, ``**``, table
     rule, HTML comment or list item run into a paragraph (``tools/check_docs_rendered.py`` does the
     same in a real browser, with screenshots and the pictures drawn)."""
     from tools.check_docs_rendered import problems
 
-    subprocess.run(["mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path)], cwd=ROOT, check=True)
-    pages = [p for p in tmp_path.glob("**/index.html") if "results" not in p.relative_to(tmp_path).parts]
+    pages = [p for p in site.glob("**/index.html") if "results" not in p.relative_to(site).parts]
     assert len(pages) > 15
-    found = {str(p.relative_to(tmp_path)): [f for f in problems(p.read_text()) if "not drawn" not in f] for p in pages}
+    found = {str(p.relative_to(site)): [f for f in problems(p.read_text()) if "not drawn" not in f] for p in pages}
     assert {page: f for page, f in found.items() if f} == {}
     assert problems("<p>the default 2**16 overflows</p>") != []  # it sees what it looks for
     assert problems("<p>counted apart. - <strong>What runs.</strong> Stages 1 and 2</p>") != []
 
 
-def test_the_api_reference_shows_every_public_name(tmp_path):
+def test_the_api_reference_shows_every_public_name(site):
     """mkdocstrings leaves out, without a word, a member it cannot find by reading the source: until
     the package names were imported under ``if TYPE_CHECKING:`` (``hf_lowzero/lazy_names.py``), the
     reference lacked ``LowZeroTrainer``, ``LowZeroTrainingArguments``, ``with_zero`` and ``plan_memory``."""
     pytest.importorskip("ray")
-    subprocess.run(["mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path)], cwd=ROOT, check=True)
     pages = {"hf_lowzero": "hf_lowzero", "ray": "hf_lowzero.ray", "clm_ray": "hf_lowzero.recipes.clm_ray"}
     for page, package in pages.items():
-        html = (tmp_path / "api" / page / "index.html").read_text()
+        html = (site / "api" / page / "index.html").read_text()
         names = importlib.import_module(package).__all__
         assert [n for n in names if f'id="{package}.{n}"' not in html] == [], f"docs/api/{page}.md"
 
