@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,8 @@ from pathlib import Path
 def lazy_names(package: str) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """The module ``__getattr__`` and ``__dir__`` of ``package``: each name its ``__init__.py``
     imports under ``if TYPE_CHECKING:`` is imported from that module on first use, then kept on the
-    package.
+    package; a submodule's name imports it (``import hf_lowzero`` then ``hf_lowzero.checkpoint.load``,
+    as when the package imported its names eagerly).
 
     Raises:
         ValueError: The package's ``__all__`` names a name that no such import gives.
@@ -49,8 +51,10 @@ def lazy_names(package: str) -> tuple[Callable[[str], object], Callable[[], list
 
     def __getattr__(name: str) -> object:
         module = where.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if module is None:  # a submodule, reached as an attribute as the eager imports made it one
+            if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is None:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            return importlib.import_module(f"{package}.{name}")
         value = getattr(importlib.import_module(module), name)
         setattr(init, name, value)  # the next use is a plain attribute
         return value

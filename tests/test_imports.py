@@ -52,3 +52,14 @@ def test_every_public_name_resolves_to_its_modules_object(package):
         assert name in dir(module)
     with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'no_such_name'"):
         module.no_such_name  # noqa: B018
+
+
+def test_a_submodule_is_reached_as_an_attribute_as_before():
+    """``import hf_lowzero`` then ``hf_lowzero.checkpoint.load...``: the eager imports made each
+    subpackage an attribute of its package, and callers may rely on it."""
+    code = (
+        "import hf_lowzero; load = hf_lowzero.checkpoint.load.load_checkpoint; "
+        "from hf_lowzero.checkpoint.load import load_checkpoint; assert load is load_checkpoint; "
+        "assert not hasattr(hf_lowzero, 'no_such_module')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
