@@ -6,6 +6,7 @@ the rollback demo is compared with the docs in ``tests/test_docs.py``."""
 from __future__ import annotations
 
 import logging
+import pickle
 import types
 
 import pytest
@@ -145,9 +146,22 @@ def test_a_restarts_line_says_where_it_resumed(caught, monkeypatch, source, expe
     assert printed == [f"[hf_lowzero] attempt 2: resuming at step 13/40{expected} on 2 workers, ZeRO stage 2"]
 
 
-def test_a_resource_request_that_timed_out_is_one_line_without_its_traceback(caught, monkeypatch):
+def _handed_to_the_controller(callback: ConsoleEvents) -> ConsoleEvents:
+    """As Ray hands a callback to the controller actor: pickled, then unpickled there. No hook of it
+    has run yet when the scaling policy's ``after_controller_start`` sends the first request."""
+    return pickle.loads(pickle.dumps(callback))
+
+
+def _started(callback: ConsoleEvents) -> ConsoleEvents:
+    callback.after_controller_start(train_run_context=None)
+    return callback
+
+
+@pytest.mark.parametrize("on_the_controller", [_handed_to_the_controller, _started], ids=["handed over", "started"])
+def test_a_resource_request_that_timed_out_is_one_line_without_its_traceback(caught, monkeypatch, on_the_controller):
     """Ray's own warning, from its own client, when its 5 s wait for the autoscaling coordinator times out
-    under load: the line stays, the traceback goes; any other warning of that logger keeps its traceback."""
+    under load: the line stays, the traceback goes; any other warning of that logger keeps its traceback.
+    From the moment Ray hands the callback over: the first request comes before its own hook runs."""
     import io
 
     from ray.train import ScalingConfig
@@ -158,11 +172,12 @@ def test_a_resource_request_that_timed_out_is_one_line_without_its_traceback(cau
     handler = logging.StreamHandler(out)
     log = client.logger
     saved = (list(log.filters), log.propagate)
+    log.filters = [f for f in log.filters if f is not events._one_line_request_timeout]  # as a fresh controller
     log.addHandler(handler)
     log.propagate = False
     caught("hf_lowzero")  # the controller's console for our lines: restored afterwards
     try:
-        ConsoleEvents().after_controller_start(train_run_context=None)
+        on_the_controller(ConsoleEvents())
 
         coordinator = types.SimpleNamespace(request_resources=types.SimpleNamespace(remote=lambda **kwargs: "ref"))
         requester = client.TrainAutoscalingCoordinatorClient("run")

@@ -35,6 +35,8 @@ Example::
 #   5 s, and on a machine whose cores are all busy (three Ray jobs on 2 cores, in CI) it times out.
 #   Ray's message says itself that a transient one is harmless. ``ConsoleEvents`` keeps its one line
 #   and drops the traceback: a run that cannot reach the coordinator still says so at every request.
+#   The first request comes before any other callback's ``after_controller_start`` (the scaling
+#   policy's own), so the filter goes on as the controller unpickles the callback.
 # - A restart: Ray Train says nothing on the console (its decision is logged at INFO); the first
 #   rank's attempt line (``ConsoleProgress``) is the event's line, with where it resumes.
 # - A resize (the cluster has room for more workers): Ray Train stops the group and starts a larger
@@ -138,15 +140,19 @@ class ConsoleEvents(ControllerCallback):
     def __init__(self) -> None:
         self.workers: int | None = None
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled on the controller as Ray starts it, before any controller hook runs: Ray's scaling
+        # policy, always the first controller callback, sends its first resource request in its own
+        # ``after_controller_start``, before this one's. On a busy machine that request times out
+        # (seen in CI: the traceback on the console), so the filters are on from here.
+        self.__dict__.update(state)
+        _quiet_controller()
+
     def after_controller_start(self, train_run_context: Any) -> None:
-        """On the controller: its console for ``hf_lowzero`` lines, and the filters of Ray's warnings."""
-        _controller_console()
-        shutdown = logging.getLogger(RAY_BACKEND_SHUTDOWN_LOGGER)
-        if _not_the_expected_shutdown_failure not in shutdown.filters:
-            shutdown.addFilter(_not_the_expected_shutdown_failure)
-        requests = logging.getLogger(RAY_RESOURCE_REQUEST_LOGGER)
-        if _one_line_request_timeout not in requests.filters:
-            requests.addFilter(_one_line_request_timeout)
+        """On the controller: its console for ``hf_lowzero`` lines, and the filters of Ray's warnings
+        (already on where Ray handed this callback over: see ``__setstate__``).
+        """
+        _quiet_controller()
 
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> None:
         """Remember the size of the group being started."""
@@ -172,6 +178,19 @@ def resize_line(workers: int | None, new_workers: int) -> str:
         f"[hf_lowzero] resizing the worker group {was}to {new_workers} workers: the cluster has room for them; this "
         "attempt stops, and the next resumes the newest memory snapshot or checkpoint, resharded"
     )
+
+
+def _quiet_controller() -> None:
+    """The controller's console for ``hf_lowzero`` lines, and the filters of Ray's warnings ([Note:
+    designed events]); once per process.
+    """
+    _controller_console()
+    shutdown = logging.getLogger(RAY_BACKEND_SHUTDOWN_LOGGER)
+    if _not_the_expected_shutdown_failure not in shutdown.filters:
+        shutdown.addFilter(_not_the_expected_shutdown_failure)
+    requests = logging.getLogger(RAY_RESOURCE_REQUEST_LOGGER)
+    if _one_line_request_timeout not in requests.filters:
+        requests.addFilter(_one_line_request_timeout)
 
 
 def _controller_console() -> None:
