@@ -12,10 +12,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,14 +29,43 @@ TIMEOUT = datetime.timedelta(seconds=120)  # a hang fails the test instead of bl
 
 
 def free_port() -> int:
+    """A port free now. Another process can take it before it is bound (a connection's local port, in
+    the ephemeral range): for ranks to meet at, hold a ``rendezvous`` instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, kwargs, backend: str = "gloo") -> None:
-    die_with_parent()  # a rank ends with the process that started it ([Note: parent death] in process_guard.py)
-    # The same variables torchrun sets, so libraries that read them (accelerate) see this world.
+# [Note: the rendezvous held by the caller]
+# Ranks once met at a port picked free (bind to 0, close) that rank 0 bound again a moment later. In
+# between, any process on the machine can take it: every outgoing connection gets a local port from
+# the same ephemeral range, and Ray's clusters beside the tests open many. Seen in CI: rank 0 failed
+# with EADDRINUSE. Now the caller binds the store's port and keeps it (a TCPStore server in its own
+# process, on port 0), and every rank joins it as a client, as torchrun's workers join the store
+# their agent hosts. Passed as ``store=``, not through TORCHELASTIC_USE_AGENT_STORE: that variable
+# would reach whatever a rank starts (a Ray job's workers would all wait for a store none hosts).
+
+
+@contextlib.contextmanager
+def rendezvous(world_size: int) -> Iterator[int]:
+    """A store for ``world_size`` ranks to meet at, served from this process while entered: yields
+    its port ([Note: the rendezvous held by the caller]).
+
+    Example::
+
+        with rendezvous(2) as port:
+            mp.spawn(body, args=(2, port), nprocs=2)     # body: join_group("gloo", rank, 2, port)
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def join_group(backend: str, rank: int, world_size: int, port: int) -> None:
+    """Join the default process group of ``world_size`` ranks meeting at ``rendezvous``'s ``port``,
+    with the variables torchrun sets for a rank (libraries such as accelerate read them)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -43,8 +74,14 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs, backend: str = "gl
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+
+
+def _entry(rank: int, world_size: int, port: int, fn, kwargs, backend: str = "gloo") -> None:
+    die_with_parent()  # a rank ends with the process that started it ([Note: parent death] in process_guard.py)
     torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    join_group(backend, rank, world_size, port)
     fn(rank, world_size, **kwargs)
     # Tear down together: a rank destroying its gloo group while a peer is still using the
     # connections can abort the peer ("terminate called without an active exception").
@@ -89,5 +126,6 @@ def run_distributed(fn, world_size: int, backend: str = "gloo", **kwargs) -> Non
     method = "forkserver" if backend == "gloo" and "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
         mp.set_forkserver_preload(PRELOAD)
-    args = (world_size, free_port(), fn, kwargs, backend)
-    mp.start_processes(_entry, args=args, nprocs=world_size, join=True, start_method=method)
+    with rendezvous(world_size) as port:
+        args = (world_size, port, fn, kwargs, backend)
+        mp.start_processes(_entry, args=args, nprocs=world_size, join=True, start_method=method)
