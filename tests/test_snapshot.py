@@ -162,7 +162,13 @@ def test_pieces_reshard_to_one_rank_like_the_storage_checkpoint(snapshotted, tmp
     run_distributed(_train, 1, out=str(tmp_path / "storage"), resume=str(storage))
     memory_params, memory_losses = _final(tmp_path / "memory" / "out")
     storage_params, storage_losses = _final(tmp_path / "storage")
-    assert memory_losses == storage_losses
+    # The params bit for bit; the logged losses to float32's rounding. Two fresh one-rank processes
+    # (two threads each) have computed the first resumed forward one ulp apart, from params and a
+    # batch equal bit for bit (about 1 run in 10 here, in CI too; the first output to differ was GPT-2's
+    # GELU in the first block); the clipped AdamW step does not carry it into the params.
+    assert memory_losses.keys() == storage_losses.keys()
+    for step, loss in storage_losses.items():
+        assert memory_losses[step] == pytest.approx(loss, rel=1e-6, abs=0), step
     for name, value in storage_params.items():
         torch.testing.assert_close(memory_params[name], value, rtol=0, atol=0, msg=name)
 
