@@ -63,10 +63,10 @@ def rendezvous(world_size: int) -> Iterator[int]:
         del store
 
 
-def join_group(backend: str, rank: int, world_size: int, port: int) -> None:
-    """Join the default process group of ``world_size`` ranks meeting at ``rendezvous``'s ``port``,
-    with the variables torchrun sets for a rank (libraries such as accelerate read them)."""
-    os.environ.update(
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for a rank of a one-machine world meeting at ``port`` (libraries
+    such as accelerate read them; ``init_process_group()`` without arguments uses them)."""
+    return dict(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -74,6 +74,12 @@ def join_group(backend: str, rank: int, world_size: int, port: int) -> None:
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+
+
+def join_group(backend: str, rank: int, world_size: int, port: int) -> None:
+    """Join the default process group of ``world_size`` ranks meeting at ``rendezvous``'s ``port``,
+    with ``rank_environment``'s variables set."""
+    os.environ.update(rank_environment(rank, world_size, port))
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hf_lowzero.testing import free_port
+from hf_lowzero.testing import free_port, rank_environment
 from tests.docs_blocks import FENCE, ROOT, Block, blocks, doc_files, missing_lines
 from tests.docs_setups import SETUPS
 from tests.tiers import ray_run
@@ -37,8 +37,7 @@ def _param(block: Block):
 
 
 def _run_block(rank: int, world_size: int, port: int, block: Block, work: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))  # fmt: skip
+    os.environ.update(rank_environment(rank, world_size, port))  # the example's own code joins through env://
     os.chdir(work)
     torch.set_num_threads(1)
     names: dict = {"__name__": "__docs__"}
