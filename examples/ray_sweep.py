@@ -2,12 +2,14 @@
 (``examples/ray_classifier.py``'s ``train_func``) on a multi-worker ``TorchTrainer`` of its own.
 
     python examples/ray_sweep.py                                   # embedded local Ray, 2 CPU workers per trial
+    python examples/ray_sweep.py --zero-stages 2 --max-steps 4     # 2 trials (the learning rates), a few steps
     python ray_jobs/local_cluster.py -- python examples/ray_sweep.py --max-concurrent 2   # fake autoscaling cluster
     RAY_ADDRESS=auto python examples/ray_sweep.py --num-workers 4 --max-concurrent 2 --storage-path s3://bucket/sweeps
 
-``SEARCH_SPACE`` holds any ``LowZeroTrainingArguments`` fields (``learning_rate``, ``zero_stage``,
-``weight_decay``, ``lr_scheduler_type``, ``zero_reduce_bucket_mb``, ...); every trial passes its values
-to ``train_func`` as ``config["training_args"]``. Each trial's ``RunConfig`` carries Tune's report
+``search_space`` holds any ``LowZeroTrainingArguments`` fields (``learning_rate``, ``zero_stage``,
+``weight_decay``, ``lr_scheduler_type``, ``zero_reduce_bucket_mb``, ...): a grid over the learning
+rates and ZeRO stages given (``--learning-rates``, ``--zero-stages``), one trial per pair. Every trial
+passes its values to ``train_func`` as ``config["training_args"]``. Each trial's ``RunConfig`` carries Tune's report
 callback and its own retry policy: a trial whose worker dies resumes its last checkpoint. Prints
 every trial's final loss and the best trial.
 """
@@ -26,11 +28,17 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray_classifier import train_func  # examples/, shipped to the workers as the job's working_dir
 
 EXAMPLES = Path(__file__).resolve().parent
-SEARCH_SPACE = {
-    "learning_rate": tune.grid_search([1e-3, 3e-3]),
-    "zero_stage": tune.grid_search([1, 2]),
-    "weight_decay": tune.choice([0.0, 0.01]),
-}
+
+
+def search_space(learning_rates: list[float], zero_stages: list[int]) -> dict:
+    """The searched ``LowZeroTrainingArguments`` fields: a grid over the learning rates and stages."""
+    return {
+        "learning_rate": tune.grid_search(learning_rates),
+        "zero_stage": tune.grid_search(zero_stages),
+        "weight_decay": tune.choice([0.0, 0.01]),
+    }
+
+
 # A trial's function only drives its TorchTrainer: it runs on the head and takes no CPU (on a worker
 # node, the detached actor Ray Train creates beside the first trial's controller would keep that
 # node from ever scaling down; see ray_jobs/sweep.py).
@@ -58,10 +66,13 @@ def main(argv=None) -> None:
     p.add_argument("--num-workers", type=int, default=2, help="workers of each trial's TorchTrainer")
     p.add_argument("--use-gpu", action="store_true")
     p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3], help="searched (a grid)")
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[1, 2], choices=[0, 1, 2], help="searched (a grid)")
     p.add_argument("--max-concurrent", type=int, default=1, help="trials at once (each takes num-workers slots)")
     p.add_argument("--max-failures", type=int, default=1, help="worker-group restarts per trial")
     p.add_argument("--storage-path", default=str(Path.home() / "ray_results"))
     a = p.parse_args(argv)
+    space = search_space(a.learning_rates, a.zero_stages)
     runtime_env = {"working_dir": str(EXAMPLES)}  # the workers import ray_classifier from it
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env)
@@ -76,7 +87,7 @@ def main(argv=None) -> None:
     tuner = tune.Tuner(
         tune.with_resources(trial, TRIAL_RESOURCES),
         param_space={
-            "training_args": SEARCH_SPACE | fixed,
+            "training_args": space | fixed,
             "num_workers": a.num_workers,
             "use_gpu": a.use_gpu,
             "max_failures": a.max_failures,
@@ -87,10 +98,13 @@ def main(argv=None) -> None:
     )
     results = tuner.fit()
     for r in results:
-        searched = {k: r.config["training_args"][k] for k in SEARCH_SPACE}
+        searched = {k: r.config["training_args"][k] for k in space}
         print(f"{searched}  final loss={r.metrics.get('loss', float('nan')):.4f}  error={r.error is not None}")
+    failed = [r for r in results if r.error is not None]
+    if failed:  # a sweep with a failed trial is not a result: say so in the exit status
+        raise SystemExit(f"{len(failed)} of {len(results)} trials failed; the first: {failed[0].error!r}")
     best = results.get_best_result()
-    print(f"best trial: { {k: best.config['training_args'][k] for k in SEARCH_SPACE} } loss={best.metrics['loss']:.4f}")
+    print(f"best trial: { {k: best.config['training_args'][k] for k in space} } loss={best.metrics['loss']:.4f}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_lowzero.recipes.clm import DEFAULT_CORPUS
 from hf_lowzero.testing import preload
+from tests import ray_env
 
 # Every forward with the all-gathers in flight is watched: a read of a param before its gather lands
 # raises, naming the param and the module ([Note: every read waits] in hf_lowzero/zero/reads/plan.py).
 os.environ.setdefault("HF_LOWZERO_CHECK_PARAM_READS", "1")
+ray_env.apply()  # what the Ray runs here need not pay for (tests/ray_env.py)
 
 # What most ranks of the distributed tests import: once, in the fork server ([Note: ranks from a fork
 # server] in hf_lowzero/testing.py), not in every rank.

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from hf_lowzero.testing import free_port, rank_environment
 from tests.docs_blocks import FENCE, ROOT, Block, blocks, doc_files, missing_lines
 from tests.docs_setups import SETUPS
+from tests.ray_env import as_a_user_runs
 from tests.tiers import ray_run
 
 ALL = blocks()
@@ -234,7 +235,7 @@ def test_the_integrity_alarm_is_what_a_dropped_gradient_raises(tmp_path):
 
 def _job(*flags: str, storage: Path) -> str:
     command = [sys.executable, "ray_jobs/finetune.py", "--storage-path", str(storage), *flags]
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = as_a_user_runs(dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))  # the console a user sees
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr

@@ -41,6 +41,7 @@ from hf_lowzero.recipes.clm_ray.attempts import count_attempts  # noqa: E402
 from hf_lowzero.testing import run_distributed  # noqa: E402
 from tests.hf_models import TokenDataset, tiny_gpt2  # noqa: E402
 from tests.ray_checkpoints import missing_files, step_of  # noqa: E402
+from tests.ray_env import as_a_user_runs  # noqa: E402
 from tests.trainer_runs import make_args  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster]  # long Ray runs: the second tier (tests/tiers.py)
@@ -73,7 +74,7 @@ def killed_job(tmp_path_factory):
     """One run of the main job whose last rank is killed at step KILL_AT: (console lines, summary,
     storage). Runs before this module starts its own Ray instance (it starts one of its own)."""
     storage = tmp_path_factory.mktemp("runs")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    env = as_a_user_runs({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"})
     cmd = [sys.executable, str(ROOT / "ray_jobs/finetune.py"), "--max-steps", str(STEPS), "--save-steps", str(SAVE),
            "--inject-failure-at-step", str(KILL_AT), "--storage-path", str(storage), "--name", "killed",
            "--snapshot-every", "off"]  # fmt: skip
