@@ -71,22 +71,28 @@ def wait_for(path: Path, run, timeout_s: float = HOLD_TIMEOUT_S) -> None:
         time.sleep(0.2)
 
 
-def loss_curve(result) -> list[dict]:
+def final_checkpoint(run) -> Path:
+    """``run``'s final Trainer checkpoint: a Ray ``Result``'s (the ``checkpoint-N`` folder inside its
+    last Ray checkpoint), or ``run`` itself when it is a path (a run without Ray)."""
+    return run if isinstance(run, Path) else trainer_checkpoint(run.checkpoint.path)
+
+
+def loss_curve(run) -> list[dict]:
     """The final checkpoint's log entries that have a loss: one per step with ``logging_steps=1``."""
-    history = json.loads((trainer_checkpoint(result.checkpoint.path) / "trainer_state.json").read_text())
+    history = json.loads((final_checkpoint(run) / "trainer_state.json").read_text())
     return [h for h in history["log_history"] if "loss" in h]
 
 
-def final_tensors(result) -> dict[str, torch.Tensor]:
+def final_tensors(run) -> dict[str, torch.Tensor]:
     """Every tensor of the final checkpoint: the model's weights (``model/...``) and every rank's
     optimizer shard (``zero_shard_*/...``: master weights and optimizer state)."""
-    checkpoint = trainer_checkpoint(result.checkpoint.path)
+    checkpoint = final_checkpoint(run)
     tensors = {f"model/{k}": v for k, v in load_file(checkpoint / "model.safetensors").items()}
     for shard in sorted((checkpoint / TRAINER_SUBDIR).glob("zero_shard_*")):
         tensors |= {f"{shard.name}/{k}": v for k, v in load_file(shard).items()}
     return tensors
 
 
-def zero_metadata(result) -> dict:
+def zero_metadata(run) -> dict:
     """The final checkpoint's ZeRO metadata (world size, loss scaler, exact grid, ...)."""
-    return json.loads((trainer_checkpoint(result.checkpoint.path) / TRAINER_SUBDIR / META_FILE).read_text())
+    return json.loads((final_checkpoint(run) / TRAINER_SUBDIR / META_FILE).read_text())

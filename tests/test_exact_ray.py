@@ -3,7 +3,7 @@ that never changed, on a local multi-node cluster (``tests/ray_clusters.py``), w
 
 Every run trains the same 12 steps of 8 sequences (4 per micro-batch: 1 micro-batch per worker at 2
 workers, 2 at 1), saves to storage every 4 steps and takes a memory snapshot at every step. Against
-a fixed 2-worker run:
+the fixed run, the same training in 2 plain gloo ranks without Ray:
 - an elastic run that loses a node after step 4 and gets it back after step 8 (2 -> 1 -> 2 workers,
   each attempt resuming storage resharded: each checkpoint complete, saved at its attempt's size);
 - an elastic run that does so after steps 6 and 9, between storage checkpoints, so each attempt
@@ -19,6 +19,7 @@ bits: [Note: an exact Trainer step] in ``hf_lowzero/trainer/exact.py``).
 """
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,7 @@ from tests import ray_clusters  # noqa: E402
 from tests.ray_checkpoints import missing_files, saved_world_size, step_of  # noqa: E402
 from tests.ray_clusters import with_slots  # noqa: E402
 from tests.ray_holds import HOLD_TIMEOUT_S, HoldAt, final_tensors, loss_curve, wait_for, zero_metadata  # noqa: E402
+from tests.ray_reference import losses_without_ray  # noqa: E402
 from tests.tiers import ray_nodes_run  # noqa: E402
 
 STEPS, SAVE, GLOBAL_BATCH = 12, 4, 8
@@ -67,15 +69,16 @@ def config(name: str, tmp_path, model: tuple[str, str], **overrides) -> RayFinet
 
 
 @pytest.fixture(scope="module")
-def fixed(cluster, dropout_model, tmp_path_factory):
-    """The reference: 2 workers from start to end, never interrupted."""
-    with_slots(cluster, 2)
-    result = build_trainer(config("fixed", tmp_path_factory.mktemp("fixed"), dropout_model)).fit()
-    assert result.error is None and result.metrics["resumed_from"] == "none"
-    curve = loss_curve(result)
-    assert [h["world_size"] for h in curve] == [2] * STEPS
+def fixed(dropout_model, tmp_path_factory) -> Path:
+    """The reference: the same training in 2 plain gloo ranks from start to end, without Ray (a Ray
+    worker trains bit for bit like a plain rank); its final Trainer checkpoint."""
+    out = tmp_path_factory.mktemp("fixed")
+    losses_without_ray(config("fixed", out, dropout_model), out, world_size=2)
+    checkpoint = out / f"checkpoint-{STEPS}"
+    curve = loss_curve(checkpoint)
+    assert [h["step"] for h in curve] == list(range(1, STEPS + 1))
     assert curve[-1]["loss"] < 0.9 * curve[0]["loss"]  # a curve that moves, so a match means something
-    return result
+    return checkpoint
 
 
 def shrink_and_grow(cluster, trainer, signals, shrink_at: int, grow_at: int):

@@ -2,8 +2,9 @@
 node a raylet of its own; removing one kills its processes, its snapshot holder included).
 
 Every run takes a memory snapshot at every step, saves to storage every SAVE steps, and fails
-between two storage checkpoints (after step KILL_AT). Each ends like the uninterrupted run
-(params, optimizer state, loss curve) and says where it resumed:
+between two storage checkpoints (after step KILL_AT). Each ends like the uninterrupted run (params,
+optimizer state, loss curve: the same training in plain gloo ranks, without Ray) and says where it
+resumed:
 - a killed worker process resumes from its own node's memory (no piece crosses nodes), while a
   snapshot of another run sits newer on the same node, unseen;
 - a failure while a snapshot is being taken (torn: landed, never marked) resumes the one before,
@@ -33,10 +34,8 @@ ray = pytest.importorskip("ray")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from hf_lowzero.checkpoint.layout import TRAINER_SUBDIR  # noqa: E402
 from hf_lowzero.ray import InjectWorkerFailure  # noqa: E402
 from hf_lowzero.ray.holder import SnapshotHolder  # noqa: E402
 from hf_lowzero.ray.holder_lifetime import NAMESPACE, all_holder_names  # noqa: E402
@@ -46,9 +45,9 @@ from hf_lowzero.snapshot import encode_piece  # noqa: E402
 from hf_lowzero.snapshot.protocol import HeldStep, StepMarks  # noqa: E402
 from hf_lowzero.snapshot.segments import run_folders  # noqa: E402
 from tests import ray_clusters  # noqa: E402
-from tests.ray_checkpoints import trainer_checkpoint  # noqa: E402
 from tests.ray_clusters import with_slots  # noqa: E402
-from tests.ray_holds import HOLD_TIMEOUT_S  # noqa: E402
+from tests.ray_holds import HOLD_TIMEOUT_S, final_tensors, loss_curve  # noqa: E402
+from tests.ray_reference import losses_without_ray  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster, pytest.mark.ray_nodes]  # tests/tiers.py
 STEPS, SAVE, KILL_AT = 10, 4, 6
@@ -115,18 +114,7 @@ def fit_killing_nodes(cluster, trainer, signal: Path, kill_ranks: list[int], fre
         return run.result(timeout=HOLD_TIMEOUT_S)
 
 
-def final_tensors(result) -> dict[str, torch.Tensor]:
-    """Every tensor of the final checkpoint's optimizer shards: master weights and optimizer state."""
-    zero_dir = trainer_checkpoint(result.checkpoint.path) / TRAINER_SUBDIR
-    return {f"{f.name}/{k}": v for f in sorted(zero_dir.glob("zero_shard_*")) for k, v in load_file(f).items()}
-
-
-def loss_curve(result) -> list[dict]:
-    history = json.loads((trainer_checkpoint(result.checkpoint.path) / "trainer_state.json").read_text())
-    return [h for h in history["log_history"] if "loss" in h]
-
-
-def assert_like_uninterrupted(result, clean) -> None:
+def assert_like_uninterrupted(result, clean: Path) -> None:
     assert result.error is None
     curve, expected = loss_curve(result), loss_curve(clean)
     assert [h["step"] for h in curve] == list(range(1, STEPS + 1))
@@ -146,15 +134,16 @@ def assert_no_holders_left(timeout_s: float = 15) -> None:
 
 
 @pytest.fixture(scope="module")
-def clean(cluster, no_dropout_model, tmp_path_factory):
-    """The uninterrupted run, snapshots on."""
-    with_slots(cluster, 2)
-    result = build_trainer(config("clean", tmp_path_factory.mktemp("clean"), no_dropout_model)).fit()
-    assert result.error is None and result.metrics["resumed_from"] == "none"
-    assert_no_holders_left()
-    curve = loss_curve(result)
+def clean(no_dropout_model, tmp_path_factory) -> Path:
+    """The uninterrupted run: the same training in two plain gloo ranks, without Ray (so without
+    snapshots either); its final Trainer checkpoint."""
+    out = tmp_path_factory.mktemp("clean")
+    losses_without_ray(config("clean", out, no_dropout_model), out, world_size=2)
+    checkpoint = out / f"checkpoint-{STEPS}"
+    curve = loss_curve(checkpoint)
+    assert [h["step"] for h in curve] == list(range(1, STEPS + 1))
     assert curve[-1]["loss"] < 0.9 * curve[0]["loss"]  # a curve that moves, so a match means something
-    return result
+    return checkpoint
 
 
 def decoy_holder(node_id: str):
