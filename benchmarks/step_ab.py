@@ -13,6 +13,11 @@ runs). Here the variants of one change run in the same rounds, A B A B ..., next
 - ``zero1_reduce_scatter``: stage 1 without [Note: replicated reduction] (``grads/replicated.py``):
   the bucket reduce-scattered and the step's norm and flags all-reduced, three synchronizations per
   step where ``zero1`` has two on a model of one small bucket;
+- ``zero1_overlap``: the all-gather left in flight to the next forward (``overlap_allgather=True``, the
+  Trainer's default);
+- ``zero1_torch_step``, ``zero2_torch_step``: the inner step by torch's fused AdamW over the rows, not
+  our host kernel ([Note: our kernel in torch's place], [Note: a prepared call]; a no-op step hook on
+  the inner optimizer sends it there): the same bits;
 - ``zero1_torch_unpack``: the gathered bucket unpacked by torch's ``split_with_sizes_copy``, not
   by one call of our kernel ([Note: one call per unpack] in ``layout/row_scatter.py``);
 - ``zero2_p2p_small_buckets``: point-to-point reduce-scatters and all-gathers for buckets below
@@ -81,6 +86,9 @@ VARIANTS = {  # setup name: (Setup kind, comm attributes that differ from the cu
     "zero1": ("zero1", {}, {}),
     "zero1_reduce_scatter": ("zero1", {}, {}),
     "zero1_torch_unpack": ("zero1", {}, {}),
+    "zero1_overlap": ("zero1", {}, {"overlap_allgather": True}),
+    "zero1_torch_step": ("zero1", {}, {}),
+    "zero2_torch_step": ("zero2", {}, {}),
     "zero1_verify_every_1": ("zero1", {}, {"verify_every": 1}),
     "zero1_verify_off": ("zero1", {}, {"verify_every": "off"}),
     "zero2": ("zero2", {}, {}),
@@ -95,8 +103,15 @@ BUILT_WITHOUT = {  # variant: (module, limit) set to 0 while it is built (the li
 }
 
 
+TORCH_STEP = ("zero1_torch_step", "zero2_torch_step")  # torch's fused step of the rows, not our host kernel
+
+
 def build_setup(variant: str, build) -> Setup:
     kind, _, config = VARIANTS[variant]
+    if variant in TORCH_STEP:  # a step hook on the inner optimizer sends its step to torch's own
+        setup = Setup(kind, build(), 1, config)
+        setup.opt.optim.register_step_pre_hook(lambda *_: None)
+        return setup
     if variant not in BUILT_WITHOUT:
         return Setup(kind, build(), 1, config)
     module, name = BUILT_WITHOUT[variant]
@@ -240,7 +255,9 @@ def main() -> None:
         "step, and none. zero1_reduce_scatter: stage 1 without the replicated reduction (the bucket "
         "reduce-scattered, the norm and flags all-reduced: three syncs per step, not two). zero1_torch_unpack: the "
         "gathered bucket unpacked by torch's split_with_sizes_copy, not by one call of our kernel. "
-        "zero2_p2p_small_buckets: point-to-point "
+        "zero1_overlap: the all-gather left in flight to the next forward (the Trainer's default). "
+        "zero1_torch_step / zero2_torch_step: the inner step by torch's fused AdamW, not our host kernel (the same "
+        "bits). zero2_p2p_small_buckets: point-to-point "
         f"exchanges for buckets under {comm.POINT_TO_POINT_MIN_BYTES / 2**20:g} MiB too; zero2_no_norm_sync (a "
         "diagnostic: what the step's one small all-reduce costs): the norm/used-flags all-reduce skipped, each "
         "rank using its own rows' norm, which trains the same here only because nothing is clipped and every "

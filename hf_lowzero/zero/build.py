@@ -58,7 +58,7 @@ class OptimizerParts:
     precision: FullPrecisionMasters | Bf16Masters
     gather: ParamGather  # the masters back into the params
     reads: WaitPlan | None  # where the next forward waits for the gathers (overlap_allgather)
-    host_step: HostAdamStep | None  # offload: our host kernel where it is exact, else None
+    host_step: HostAdamStep | None  # host-memory masters: our host kernel where it is exact, else None
     inner_params: list[torch.Tensor | None]  # per slot ([Note: inner params] in inner/adopt.py)
     unused_mask: UnusedMask
     groups: ParamGroups  # [Note: two sets of param groups]
@@ -114,11 +114,12 @@ def build_parts(
     precision = make_master_precision(
         master.flat, slots, config.master_rounding, config.master_rounding_seed, shard=shard
     )
-    host_step = None  # [Note: our kernel in torch's place]: offloaded fp32 masters
-    if offload and not exact and isinstance(precision, FullPrecisionMasters):
+    host_step = None  # [Note: our kernel in torch's place]: fp32 masters in host memory, offloaded or not
+    if master.flat.device.type == "cpu" and not exact and isinstance(precision, FullPrecisionMasters):
         host_step = make_host_step(
-            optimizer, slots, buckets, precision.inner_params, master.flat, pin_for=device if pin else None, rows=store
-        )
+            optimizer, slots, buckets, precision.inner_params, master.flat, pin_for=device if pin else None,
+            rows=store, keep_copy=offload,
+        )  # fmt: skip
     gather = ParamGather(
         slots, buckets, master.flat, master.gate, pool=pool, defer=config.overlap_allgather, shard=shard,
         copy=host_step.copy if host_step else None,

@@ -114,7 +114,7 @@ class LowLevelZeroOptimizer(OptimizerFacade):
         self.slots, self.buckets = parts.slots, parts.buckets
         self.integrity, self.reducer, self.master = parts.integrity, parts.reducer, parts.master
         self.scaler, self.counts = parts.scaler, parts.counts
-        self.host_step = parts.host_step  # offload: our host kernel where exact ([Note: our kernel in torch's place])
+        self.host_step = parts.host_step  # host masters: our kernel where exact ([Note: our kernel in torch's place])
         self.last_grad_norm: float | None = None
         self.last_step_applied: bool | None = None
         self._pending_norm = None  # (grad_version, reduced chunks, verdict) of this step

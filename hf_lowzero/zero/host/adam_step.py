@@ -1,4 +1,5 @@
-"""The inner Adam/AdamW step on offloaded rows with our kernel, chunk by chunk, where it is exact.
+"""The inner Adam/AdamW step on host rows (offloaded, or a CPU run's) with our kernel, chunk by chunk, where
+it is exact.
 
 Example::
 
@@ -29,6 +30,10 @@ Example::
 # inner params' ``.grad`` view are neither written nor read. When torch's step runs instead, the
 # store widens every bucket into those fp32 rows first.
 #
+# It runs wherever the fp32 masters are in host memory: offloaded, or a CPU run's own. There, on a
+# model of hundreds of small params, it also takes a third of torch's time ([Note: a prepared call]
+# in ``prepared.py``); the 16-bit copy is kept only with offload, where it goes to the device.
+#
 # Chunks are buckets, in the order the gather issues them: after the kernel finished a chunk,
 # ``after_chunk(bucket index)`` starts its copy to the device while the host steps the next.
 # On fake tensors (a simulation of the GPU path) torch's own fused ops do the kernel's work
@@ -47,6 +52,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.optim import optimizer as torch_optimizer
 
 from hf_lowzero.zero.host.kernel import AdamHyper, AdamTensors, HostAdamKernel, TorchFusedKernel, host_kernel
+from hf_lowzero.zero.host.prepared import PreparedCall
 from hf_lowzero.zero.layout.buckets import Bucket
 from hf_lowzero.zero.layout.packing import piece_view
 from hf_lowzero.zero.layout.params import ParamSlot
@@ -103,11 +109,15 @@ class HostAdamStep:
         kernel: HostAdamKernel | native.NativeUnavailable,
         copy: ParamCopy | None,
         rows: GradRows | None = None,
+        flat: torch.Tensor | None = None,
     ) -> None:
         self.optimizer, self.chunks, self.kernel, self.copy, self.rows = optimizer, chunks, kernel, copy, rows
+        self.flat = flat  # the rows the inner params view (their storage is part of a prepared call's test)
         self.last_path = "torch"  # which path the last step took: "ours" or "torch" (for tests, benchmarks)
         self.grad_factor: float | None = None  # this step's factor, set by StepFactor for the step
         self._checked: dict[int, tuple] = {}  # id(inner param) -> weak refs of the tensors last found fine
+        self._calls: dict[int, PreparedCall] = {}  # chunk position -> its kernel call ([Note: a prepared call])
+        self._fresh: list[PreparedCall] | None = None  # every chunk's call, as the last why_not() found them current
 
     def why_not(self) -> str | None:
         """Why this step must be torch's own, or None when ours computes the same bits."""
@@ -124,6 +134,9 @@ class HostAdamStep:
         in_chunks = sum(len(chunk.params) for chunk in self.chunks)
         if in_chunks != sum(len(group["params"]) for group in optimizer.param_groups):
             return "the param groups hold params outside the buckets' chunks"
+        self._fresh = self._current()
+        if self._fresh is not None:
+            return None  # every tensor is one the full checks below passed ([Note: a prepared call])
         grads = {p.grad.dtype for chunk in self.chunks for p in chunk.params if p.grad is not None}
         if len(grads) > 1 or not grads <= set(GRAD_DTYPES):
             return f"gradients of dtypes {sorted(map(str, grads))}"
@@ -140,6 +153,18 @@ class HostAdamStep:
                 self._checked[id(param)] = tuple(None if t is None else weakref.ref(t) for t in tensors)
         return None
 
+    def _current(self) -> list[PreparedCall] | None:
+        """Every chunk's prepared call, where each one is current; else None."""
+        state, storage = self.optimizer.state, self._storage()
+        calls = [self._calls.get(position) for position in range(len(self.chunks))]
+        for call, chunk in zip(calls, self.chunks):
+            if call is None or not call.current(chunk.params, state, storage):
+                return None
+        return calls
+
+    def _storage(self) -> int:
+        return 0 if self.flat is None or is_fake(self.flat) else self.flat.data_ptr()
+
     def _simulated(self) -> bool:
         """Whether the rows are fake tensors: a simulation of the step, which ``TorchFusedKernel`` runs."""
         return any(is_fake(chunk.params[0]) for chunk in self.chunks if chunk.params)
@@ -147,7 +172,7 @@ class HostAdamStep:
     def step(self, after_chunk: Callable[[int], None] | None = None) -> bool:
         """One step of the inner optimizer with our kernel, or False (nothing done) where it must be
         torch's. ``after_chunk(bucket_index)``: called as each chunk is done, in ``chunks``' order."""
-        if self.why_not() is not None:
+        if self.why_not() is not None:  # also finds every chunk's call current, or not (self._fresh)
             self.last_path = "torch"
             if self.copy is not None:
                 self.copy.fresh = False
@@ -157,36 +182,49 @@ class HostAdamStep:
                 grads = [p.grad for chunk in self.chunks for p in chunk.params if p.grad is not None]
                 torch._foreach_mul_(grads, self.grad_factor)
             return False
-        hyper_of = {}
+        adamw = type(self.optimizer) is torch.optim.AdamW
+        hyper_of = {}  # id(param) -> its group's hyperparameters, read every step (a scheduler changes the lr)
         for group in self.optimizer.param_groups:
-            hyper = _hyper(group, type(self.optimizer) is torch.optim.AdamW)
-            for param in group["params"]:
-                hyper_of[param] = hyper
-        grad_factor = self.grad_factor
-        grad_scale = None if grad_factor is not None else getattr(self.optimizer, "grad_scale", None)
-        threads = torch.get_num_threads()
-        kernel = TorchFusedKernel() if self._simulated() else self.kernel
+            hyper = _hyper(group, adamw)
+            hyper_of.update(dict.fromkeys(map(id, group["params"]), hyper))
+        row_of = {key: hyper.as_row() for key, hyper in hyper_of.items()}
+        distinct = set(row_of.values())
+        rows = next(iter(distinct)) if len(distinct) == 1 else row_of  # one row for all, where it is
+        scale = {"grad_factor": self.grad_factor, "threads": torch.get_num_threads()}
+        scale["grad_scale"] = None if self.grad_factor is not None else getattr(self.optimizer, "grad_scale", None)
+        simulated, fresh = self._simulated(), self._fresh  # fresh: the calls found current just now
+        kernel = TorchFusedKernel() if simulated else self.kernel
         if self.copy is not None:
             self.copy.fresh = True  # each chunk's part is written before after_chunk reads it
-        for chunk in self.chunks:
+        for position, chunk in enumerate(self.chunks):
             narrow = self.rows.narrow(chunk.bucket_index) if self.rows is not None else None
-            tensors = [
-                self._tensors(p, chunk.outs[i] if chunk.outs else None, narrow, chunk.starts[i])
-                for i, p in enumerate(chunk.params)
-            ]
-            chosen = [(t, hyper_of[p]) for t, p in zip(tensors, chunk.params) if t is not None]
-            if chosen:
-                kernel.step(
-                    [t for t, _ in chosen],
-                    [h for _, h in chosen],
-                    grad_scale=grad_scale,
-                    threads=threads,
-                    grad_factor=grad_factor,
-                )
+            if narrow is None and not simulated:  # [Note: a prepared call]
+                call = fresh[position] if fresh else self._call(position)
+                kernel.run(call.arguments, call.hyper_rows(rows), **scale)
+            else:
+                tensors = [
+                    self._tensors(p, chunk.outs[i] if chunk.outs else None, narrow, chunk.starts[i])
+                    for i, p in enumerate(chunk.params)
+                ]
+                chosen = [(t, hyper_of[id(t.param)]) for t in tensors if t is not None]
+                if chosen:
+                    kernel.step([t for t, _ in chosen], [h for _, h in chosen], **scale)
             if after_chunk is not None:
                 after_chunk(chunk.bucket_index)
         self.last_path = "ours"
         return True
+
+    def _call(self, position: int) -> PreparedCall:
+        """Chunk ``position``'s kernel call: the one kept while current, else built again (the state
+        of each param with a gradient created first, as torch creates it)."""
+        chunk, state, storage = self.chunks[position], self.optimizer.state, self._storage()
+        call = self._calls.get(position)
+        if call is None or not call.current(chunk.params, state, storage):
+            for param in chunk.params:
+                if param.grad is not None and param.numel():
+                    _state_of(self.optimizer, param)
+            call = self._calls[position] = PreparedCall.build(chunk.params, chunk.outs, state, storage=storage)
+        return call
 
     def _tensors(
         self, param: torch.Tensor, out: torch.Tensor | None, narrow: torch.Tensor | None, start: int
@@ -196,12 +234,18 @@ class HostAdamStep:
         if param.grad is None:  # not stepped, no state: only its 16-bit copy
             return None if out is None else AdamTensors(param, None, None, None, None, out)
         grad = param.grad if narrow is None else narrow[start : start + param.numel()]  # [Note: 16-bit rows]
-        state = self.optimizer.state[param]
-        if len(state) == 0:  # as torch's Adam._init_group creates it for a fused group
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state = _state_of(self.optimizer, param)
         return AdamTensors(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], out)
+
+
+def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    """``param``'s state, created as torch's ``Adam._init_group`` creates it for a fused group."""
+    state = optimizer.state[param]
+    if len(state) == 0:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
 
 
 def _same(checked: tuple | None, tensors: tuple) -> bool:
@@ -257,16 +301,18 @@ def make_host_step(
     *,
     pin_for: torch.device | None,
     rows: GradRows | None = None,
+    keep_copy: bool = True,
 ) -> HostAdamStep:
-    """The host step over offloaded fp32 master rows ``flat`` (``inner_params`` are views of it, per
-    slot), chunked by bucket in the gather's order (reversed plan: the next forward's). The params'
-    16-bit copy is kept when every bucket holds params of one 16-bit dtype and the inner params cover
-    the rows. ``rows``: the gradient store, where buckets may be held in 16 bits."""
+    """The host step over fp32 master rows ``flat`` in host memory (``inner_params`` are views of it,
+    per slot), chunked by bucket in the gather's order (reversed plan: the next forward's). The params'
+    16-bit copy is kept when ``keep_copy`` (offload: the copy goes to the device), every bucket holds
+    params of one 16-bit dtype and the inner params cover the rows. ``rows``: the gradient store,
+    where buckets may be held in 16 bits."""
     chunks, dtypes = [], {bucket.dtype for bucket in buckets}
     covered = sum(p.numel() for p in inner_params if p is not None) == flat.numel()
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
     keep = covered and dtype in (torch.bfloat16, torch.float16) and flat.dtype == torch.float32
-    keep = keep and type(optimizer) in STEPPED_BY_US  # 2 bytes per row element: only where ours may run
+    keep = keep and keep_copy and type(optimizer) in STEPPED_BY_US  # 2 bytes per row element: only where ours may run
     copy = ParamCopy(dev.host_buffer(flat.numel(), dtype, pin_for)) if keep else None
     for bucket in reversed(buckets):
         held = [(slot, inner_params[slot.index]) for slot in bucket.slots if inner_params[slot.index] is not None]
@@ -279,4 +325,4 @@ def make_host_step(
         kernel = native.NativeUnavailable("fake tensors")
     else:
         kernel = host_kernel()
-    return HostAdamStep(optimizer, chunks, kernel=kernel, copy=copy, rows=rows)
+    return HostAdamStep(optimizer, chunks, kernel=kernel, copy=copy, rows=rows, flat=flat)

@@ -110,35 +110,71 @@ class HostAdamKernel:
         divided by (torch's ``grad_scale``; the gradients are not written back); or ``grad_factor``:
         a number every gradient is multiplied by instead (not both). Returns the elements
         stepped. Checks nothing: the caller passes tensors as described (``HostAdamStep`` does)."""
-        count = len(tensors)
-        if count == 0:
+        if not tensors:
             return 0
-        grads = [t.grad for t in tensors if t.grad is not None]
-        outs = [t.out for t in tensors if t.out is not None]
-        grad_code = DTYPE_CODES[grads[0].dtype] if grads else 0
-        out_code = DTYPE_CODES[outs[0].dtype] if outs else NO_OUT
+        rows = (ctypes.c_double * (6 * len(tensors)))(*(v for h in hyper for v in h.as_row()))
+        return self.run(arguments_of(tensors), rows, grad_scale=grad_scale, threads=threads, grad_factor=grad_factor)
+
+    def run(
+        self,
+        arguments: KernelArguments,
+        rows: ctypes.Array,
+        *,
+        grad_scale: torch.Tensor | None,
+        threads: int,
+        grad_factor: float | None = None,
+    ) -> int:
+        """:meth:`step` on arguments already built (``rows``: six numbers per tensor, ``AdamHyper.as_row``)."""
+        if arguments.count == 0:
+            return 0
         if grad_scale is not None and grad_factor is not None:
             raise ValueError("give grad_scale (a divisor) or grad_factor (a multiplier), not both")
         scale = grad_scale.detach().to(torch.float32).reshape(()) if grad_scale is not None else None
         if grad_factor is not None:
             scale = torch.tensor(grad_factor, dtype=torch.float32)
-
-        def ptrs(values) -> ctypes.Array:
-            return (ctypes.c_void_p * count)(*values)
-
-        def ptr(tensor: torch.Tensor | None) -> int | None:
-            return None if tensor is None else tensor.data_ptr()
-
-        numels = (ctypes.c_int64 * count)(*(t.param.numel() for t in tensors))
-        rows = (ctypes.c_double * (6 * count))(*(v for h in hyper for v in h.as_row()))
-        update = (ctypes.c_uint8 * count)(*(t.grad is not None for t in tensors))
+        a = arguments
         return self._fn(
-            count, ptrs(ptr(t.param) for t in tensors), ptrs(ptr(t.grad) for t in tensors), grad_code,
-            ptrs(ptr(t.exp_avg) for t in tensors), ptrs(ptr(t.exp_avg_sq) for t in tensors),
-            ptrs(ptr(t.step) for t in tensors), numels, rows, update, ptrs(ptr(t.out) for t in tensors), out_code,
-            ptr(scale), int(grad_factor is not None), self.rounding.tail_width, int(self.rounding.fused),
-            BLOCK, max(1, threads),
+            a.count, a.params, a.grads, a.grad_code, a.exp_avgs, a.exp_avg_sqs, a.steps, a.numels, rows, a.update,
+            a.outs, a.out_code, None if scale is None else scale.data_ptr(), int(grad_factor is not None),
+            self.rounding.tail_width, int(self.rounding.fused), BLOCK, max(1, threads),
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelArguments:
+    """What the kernel reads of some tensors besides their hyperparameters: per tensor, pointers to
+    the param, its gradient, its two moments, its step counter and its 16-bit copy, its element count
+    and whether it is updated (a param without a gradient is only copied)."""
+
+    count: int
+    params: ctypes.Array
+    grads: ctypes.Array
+    exp_avgs: ctypes.Array
+    exp_avg_sqs: ctypes.Array
+    steps: ctypes.Array
+    numels: ctypes.Array
+    update: ctypes.Array
+    outs: ctypes.Array
+    grad_code: int
+    out_code: int
+
+
+def arguments_of(tensors: list[AdamTensors]) -> KernelArguments:
+    """The kernel's arguments for ``tensors`` (every ``grad`` given of one dtype, every ``out`` of one)."""
+    count = len(tensors)
+
+    def pointers(values) -> ctypes.Array:
+        return (ctypes.c_void_p * count)(*(None if t is None else t.data_ptr() for t in values))
+
+    grads = [t.grad for t in tensors if t.grad is not None]
+    outs = [t.out for t in tensors if t.out is not None]
+    return KernelArguments(
+        count=count, params=pointers(t.param for t in tensors), grads=pointers(t.grad for t in tensors),
+        exp_avgs=pointers(t.exp_avg for t in tensors), exp_avg_sqs=pointers(t.exp_avg_sq for t in tensors),
+        steps=pointers(t.step for t in tensors), numels=(ctypes.c_int64 * count)(*(t.param.numel() for t in tensors)),
+        update=(ctypes.c_uint8 * count)(*(t.grad is not None for t in tensors)), outs=pointers(t.out for t in tensors),
+        grad_code=DTYPE_CODES[grads[0].dtype] if grads else 0, out_code=DTYPE_CODES[outs[0].dtype] if outs else NO_OUT,
+    )  # fmt: skip
 
 
 class TorchFusedKernel:
