@@ -22,3 +22,14 @@ def losses_without_ray(config: RayFinetuneConfig, out: Path, world_size: int) ->
     """The Trainer's loss log (one entry per logging step) of ``config``'s training at ``world_size``."""
     run_distributed(_train_body, world_size, config=config, out=str(out))
     return json.loads((out / "losses.json").read_text())
+
+
+def checkpoint_without_ray(config: RayFinetuneConfig, out: Path, world_size: int, steps: int) -> Path:
+    """``config``'s training of ``steps`` steps in plain ranks, as a reference worth matching (a loss at
+    every step, falling by a tenth or more: a match means something); its final Trainer checkpoint."""
+    curve = losses_without_ray(config, out, world_size)
+    assert [h["step"] for h in curve] == list(range(1, steps + 1))
+    assert curve[-1]["loss"] < 0.9 * curve[0]["loss"]
+    checkpoint = out / f"checkpoint-{steps}"
+    assert (checkpoint / "trainer_state.json").is_file(), f"no final checkpoint in {out}"
+    return checkpoint

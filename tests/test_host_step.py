@@ -87,12 +87,17 @@ def parity_body(rank, world_size):
                 assert_close_state(opt, ref, f"{where} step {step}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_our_host_kernel_steps_as_todays_offload_path(world_size):
+def run_with_our_kernel(body, world_size: int) -> None:
+    """``body`` on ``world_size`` ranks, or a skip saying why our kernel is not here (no compiler)."""
     kernel = host_kernel()
     if isinstance(kernel, native.NativeUnavailable):
         pytest.skip(kernel.why)
-    run_distributed(parity_body, world_size)
+    run_distributed(body, world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_our_host_kernel_steps_as_todays_offload_path(world_size):
+    run_with_our_kernel(parity_body, world_size)
 
 
 def fallback_body(rank, world_size):
@@ -147,7 +152,4 @@ def narrow_rows_body(rank, world_size):
 
 
 def test_sixteen_bit_rows_are_stepped_as_they_came():
-    kernel = host_kernel()
-    if isinstance(kernel, native.NativeUnavailable):
-        pytest.skip(kernel.why)
-    run_distributed(narrow_rows_body, 2)
+    run_with_our_kernel(narrow_rows_body, 2)

@@ -11,11 +11,8 @@ import pytest
 import torch
 
 from hf_lowzero import LowLevelZeroOptimizer
-from hf_lowzero.testing import run_distributed
-from hf_lowzero.zero.host.kernel import host_kernel
-from hf_lowzero.zero.runtime import native
 from tests.models import BranchyNet, param_groups
-from tests.test_host_step import assert_same_state, torch_path
+from tests.test_host_step import assert_same_state, run_with_our_kernel, torch_path
 from tests.test_offload import train_step
 
 STEPS = 8
@@ -64,7 +61,4 @@ def parity_body(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_cpu_runs_kernel_call_steps_as_torchs_fused_step(world_size):
-    kernel = host_kernel()
-    if isinstance(kernel, native.NativeUnavailable):
-        pytest.skip(kernel.why)
-    run_distributed(parity_body, world_size)
+    run_with_our_kernel(parity_body, world_size)
