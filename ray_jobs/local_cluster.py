@@ -94,7 +94,10 @@ class LocalAutoscalingCluster:
                 raise RuntimeError(f"{var}={os.environ[var]} is set: this process would watch that cluster; unset it")
         if self.port is not None and not _port_is_free(self.port):
             raise RuntimeError(f"port {self.port} is in use (another Ray cluster?); pass port=None for a free one")
-        port, dashboard_port = self.port or _free_port(), _free_port()
+        # Every port at once, each socket held until all are chosen: one at a time, the OS may hand out
+        # the same free port twice (seen: the GCS and the client server given one port, and the head refused it).
+        free = free_ports(4, besides=self.port)
+        port, dashboard_port = self.port or free[0], free[1]
         # The address Ray itself advertises: processes that find the cluster by scanning command
         # lines ("auto") refuse to choose when the nodes name it in two ways (127.0.0.1 and the IP).
         node_ip = get_node_ip_address()
@@ -117,7 +120,7 @@ class LocalAutoscalingCluster:
             "ray", "start", "--head", "--block", "--node-ip-address", node_ip, "--port", str(port),
             "--temp-dir", self.temp_dir, "--autoscaling-config", str(config_file), "--disable-usage-stats",
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
-            "--ray-client-server-port", str(_free_port()), "--dashboard-agent-listen-port", str(_free_port()),
+            "--ray-client-server-port", str(free[2]), "--dashboard-agent-listen-port", str(free[3]),
         ]  # fmt: skip
         command += _head_resource_flags(config["available_node_types"][FAKE_HEAD_NODE_TYPE].get("resources", {}))
         env = self.client_env | {
@@ -355,10 +358,16 @@ def _signal(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def free_ports(count: int, besides: int | None = None) -> list[int]:
+    """``count`` distinct free ports, none of them ``besides``: every socket is held until all are bound."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = held.enter_context(socket.socket())
+            s.bind(("", 0))
+            if s.getsockname()[1] != besides:
+                ports.append(s.getsockname()[1])
+        return ports
 
 
 def _port_is_free(port: int) -> bool:

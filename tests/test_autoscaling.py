@@ -29,6 +29,7 @@ from tests.tiers import ray_nodes_run  # noqa: E402
 pytestmark = pytest.mark.ray_late
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ray_jobs"))  # the fake cluster is demo and test code, not the library's
+import local_cluster  # noqa: E402
 from local_cluster import LocalAutoscalingCluster, WorkerNodeSampler, load_fake_cluster_config  # noqa: E402
 
 LOCAL_CONFIG = ROOT / "ray_jobs" / "local_autoscaling.yaml"
@@ -191,3 +192,14 @@ def test_a_start_that_cannot_work_is_refused_before_anything_starts(monkeypatch)
         with pytest.raises(RuntimeError, match="is in use"):
             cluster.start()
         assert cluster.temp_dir is None
+
+
+def test_the_heads_ports_are_distinct_and_never_the_one_given():
+    """The head's ports are chosen together, each socket held until all are bound: chosen one at a
+    time, the OS once gave the GCS and the client server one port, and the head refused to start."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        given = s.getsockname()[1]  # free again below, as a --port the caller names
+    ports = local_cluster.free_ports(64, besides=given)
+    assert len(ports) == 64 and len(set(ports)) == 64 and given not in ports
+
