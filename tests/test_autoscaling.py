@@ -202,4 +202,3 @@ def test_the_heads_ports_are_distinct_and_never_the_one_given():
         given = s.getsockname()[1]  # free again below, as a --port the caller names
     ports = local_cluster.free_ports(64, besides=given)
     assert len(ports) == 64 and len(set(ports)) == 64 and given not in ports
-
