@@ -155,12 +155,14 @@ class HostAdamStep:
 
     def _current(self) -> list[PreparedCall] | None:
         """Every chunk's prepared call, where each one is current; else None."""
-        state, storage = self.optimizer.state, self._storage()
-        calls = [self._calls.get(position) for position in range(len(self.chunks))]
-        for call, chunk in zip(calls, self.chunks):
-            if call is None or not call.current(chunk.params, state, storage):
-                return None
-        return calls
+        calls = [self._kept(position) for position in range(len(self.chunks))]
+        return None if None in calls else calls
+
+    def _kept(self, position: int) -> PreparedCall | None:
+        """Chunk ``position``'s prepared call where it is current, else None."""
+        call = self._calls.get(position)
+        current = call is not None and call.current(self.chunks[position].params, self.optimizer.state, self._storage())
+        return call if current else None
 
     def _storage(self) -> int:
         return 0 if self.flat is None or is_fake(self.flat) else self.flat.data_ptr()
@@ -183,13 +185,11 @@ class HostAdamStep:
                 torch._foreach_mul_(grads, self.grad_factor)
             return False
         adamw = type(self.optimizer) is torch.optim.AdamW
-        hyper_of = {}  # id(param) -> its group's hyperparameters, read every step (a scheduler changes the lr)
-        for group in self.optimizer.param_groups:
-            hyper = _hyper(group, adamw)
-            hyper_of.update(dict.fromkeys(map(id, group["params"]), hyper))
-        row_of = {key: hyper.as_row() for key, hyper in hyper_of.items()}
-        distinct = set(row_of.values())
-        rows = next(iter(distinct)) if len(distinct) == 1 else row_of  # one row for all, where it is
+        groups = self.optimizer.param_groups  # read every step (a scheduler changes the lr)
+        hypers = [_hyper(group, adamw) for group in groups]
+        hyper_of = {key: hyper for group, hyper in zip(groups, hypers) for key in map(id, group["params"])}
+        alike = len(set(hypers)) == 1  # one row for all, else id(param) -> its group's row
+        rows = hypers[0].as_row() if alike else {key: hyper.as_row() for key, hyper in hyper_of.items()}
         scale = {"grad_factor": self.grad_factor, "threads": torch.get_num_threads()}
         scale["grad_scale"] = None if self.grad_factor is not None else getattr(self.optimizer, "grad_scale", None)
         simulated, fresh = self._simulated(), self._fresh  # fresh: the calls found current just now
@@ -217,13 +217,14 @@ class HostAdamStep:
     def _call(self, position: int) -> PreparedCall:
         """Chunk ``position``'s kernel call: the one kept while current, else built again (the state
         of each param with a gradient created first, as torch creates it)."""
-        chunk, state, storage = self.chunks[position], self.optimizer.state, self._storage()
-        call = self._calls.get(position)
-        if call is None or not call.current(chunk.params, state, storage):
+        call = self._kept(position)
+        if call is None:
+            chunk = self.chunks[position]
             for param in chunk.params:
                 if param.grad is not None and param.numel():
                     _state_of(self.optimizer, param)
-            call = self._calls[position] = PreparedCall.build(chunk.params, chunk.outs, state, storage=storage)
+            call = PreparedCall.build(chunk.params, chunk.outs, self.optimizer.state, storage=self._storage())
+            self._calls[position] = call
         return call
 
     def _tensors(

@@ -2,9 +2,10 @@
 
 Example::
 
-    call = PreparedCall.build(params, optimizer.state, hyper_index)   # after the params' state exists
-    if call.current(params, optimizer.state):                         # the same tensors as when built
-        kernel.run(call.arguments, call.hyper_rows(hypers), grad_scale=None, grad_factor=None, threads=1)
+    storage = master_rows.data_ptr()                                   # the rows the params view
+    call = PreparedCall.build(params, None, optimizer.state, storage=storage)  # after their state exists
+    if call.current(params, optimizer.state, storage):                 # the same tensors as when built
+        kernel.run(call.arguments, call.hyper_rows(hyper.as_row()), grad_scale=None, threads=1)
 
 # [Note: a prepared call]
 # With hundreds of small params, our kernel's call cost more than torch's fused step: each step took
@@ -71,8 +72,8 @@ class PreparedCall:
                 stepped.append(param)
             if param.numel() == 0 or (grad is None and out is None):
                 continue  # nothing to step or copy (as HostAdamStep's own loop)
-            held = state[param] if grad is not None else None
-            moments = (held["step"], held["exp_avg"], held["exp_avg_sq"]) if held else (None, None, None)
+            own = state[param] if grad is not None else None
+            moments = (own["step"], own["exp_avg"], own["exp_avg_sq"]) if own else (None, None, None)
             tensors.append(AdamTensors(param, grad, moments[1], moments[2], moments[0], out))
         grads = tuple(NOTHING if p.grad is None else weakref.ref(p.grad) for p in params)
         held = tuple(tuple(weakref.ref(state[p][key]) for p in stepped) for key in STATE_ORDER)
