@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hf_lowzero.plan.simulate import simulate_step
 from hf_lowzero.plan.step_records import Setup
 from hf_lowzero.timing import Costs, Program, Target, calibrate, find_device, parse_bandwidth, schedule
 from hf_lowzero.timing.costs import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
-from hf_lowzero.timing.counting import OpWork, is_query, op_work
+from hf_lowzero.timing.counting import PER_ELEMENT_MATH, OpWork, is_query, op_work
 from hf_lowzero.trainer.plan_cli import main as plan_main
 
 H100 = Target.of("H100", gpus_per_node=4, inter_node="100Gb/s")
@@ -170,17 +171,60 @@ def fixed_cpu(tmp_path, monkeypatch):
 
 def test_on_cpu_attention_and_per_element_math_run_at_the_rates_measured_for_them():
     """[Note: the CPU's own rates]: a calibration with them prices the flash attention's FLOPs at its
-    attention rate and a GELU's bytes at its per-element bandwidth; other ops, and a calibration
-    without them (an older cache), at the matmul rate and the bandwidth."""
-    own = FIXED_CPU | {"attention": [20e9, 30e9], "bandwidth_math": [2e9, 3e9]}
+    attention rate for its head size, a tanh at the bandwidth measured for it, a GELU it has no own figure for at the
+    per-element bandwidth, and the matmuls at the share of their rate alone they reached in a step
+    ([Note: rates in a step]); other ops, and a calibration without them (an older cache), at the
+    matmul rate and the bandwidth."""
+    own = FIXED_CPU | {
+        "attention": [20e9, 30e9],
+        "bandwidth_math": [2e9, 3e9],
+        "math": {"aten.tanh": [0.5e9, 1e9]},
+        "matmul_step": [0.8, 0.9],
+        "attention_by_head": {"32": [10e9, 20e9], "128": [30e9, 40e9]},
+    }
     costs, plain = (Costs(Target.of(calibrate.device_from(m), host_threads=1)) for m in (own, FIXED_CPU))
     attention = OpWork(4e9, 2**20, "fp32", True, "aten._scaled_dot_product_flash_attention_for_cpu_backward")
     gelu = OpWork(0.0, 2**24, "fp32", True, "aten.gelu")
+    tanh = OpWork(0.0, 2**24, "fp32", True, "aten.tanh")
     add = OpWork(0.0, 2**24, "fp32", True, "aten.add")
-    assert costs.kernel(attention) == pytest.approx(4e9 / 20e9)
+    mm = OpWork(4e9, 2**20, "fp32", True, "aten.mm")
+    assert costs.kernel(attention) == pytest.approx(4e9 / 20e9)  # no head size: the rate over all
+    for head_size, rate in ((16, 10e9), (32, 10e9), (64, 20e9), (128, 30e9), (256, 30e9)):  # a line in log2
+        sized = OpWork(4e9, 2**20, "fp32", True, attention.name, head_size=head_size)
+        assert costs.kernel(sized) == pytest.approx(4e9 / rate), head_size
     assert costs.kernel(gelu) == pytest.approx(2**24 / 2e9)
+    assert costs.kernel(tanh) == pytest.approx(2**24 / 0.5e9)
     assert costs.kernel(add) == plain.kernel(add) == pytest.approx(2**24 / 8e9)
+    assert costs.kernel(mm) == pytest.approx(4e9 / (0.8 * 50e9)) and plain.kernel(mm) == pytest.approx(4e9 / 50e9)
     assert plain.kernel(attention) == pytest.approx(4e9 / 50e9) and plain.kernel(gelu) == plain.kernel(add)
+
+
+def test_the_reference_step_counts_its_ops_work_as_torch_counts_it():
+    """[Note: rates in a step]: the reference step's clock sees every per-element op the rates are
+    for, and counts the matmuls' and the attention's FLOPs as torch's ``FlopCounterMode`` does."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_lowzero.timing.counting import CPU_ATTENTION
+    from hf_lowzero.timing.step_rates import OpClock, reference_step
+
+    step = reference_step()
+    step()
+    with FlopCounterMode(display=False) as torch_count:
+        step()
+    with OpClock() as clock:
+        step()
+    counted = collections.Counter(torch_count.get_flop_counts()["Global"])
+    matmuls = sum(v[1] for name, v in clock.ops.items() if name.partition("@")[0] not in CPU_ATTENTION)
+    attention = {name: v[1] for name, v in clock.ops.items() if name.partition("@")[0] in CPU_ATTENTION}
+    torch_matmuls = sum(n for op, n in counted.items() if "attention" not in str(op))
+    assert matmuls == torch_matmuls > 0
+    assert {name.partition("@")[2] for name in attention} == {"32", "64", "128"}  # each head size apart
+    assert all(flops > 0 for flops in attention.values())
+    for forward, backward in (("gelu", "gelu_backward"), ("tanh", "tanh_backward"), ("silu", "silu_backward"),
+                              ("native_layer_norm", "native_layer_norm_backward"),
+                              ("_log_softmax", "_log_softmax_backward_data")):  # fmt: skip
+        assert {f"aten.{forward}", f"aten.{backward}"} <= set(clock.ops) & PER_ELEMENT_MATH
+    assert all(seconds >= 0 and nbytes > 0 for seconds, _, nbytes in clock.ops.values() if nbytes)
 
 
 def test_the_plan_prints_its_time_columns_as_json_from_the_rows_of_its_table(fixed_cpu, tmp_path, capsys):
@@ -263,3 +307,79 @@ def test_the_simulated_step_issues_the_ops_a_real_step_issues():
     for name in ("aten.mm", "aten.addmm", "aten.mul", "aten.native_layer_norm_backward"):
         assert recorded[name] == real.ops[name], name
     assert sum(recorded.values()) == pytest.approx(sum(real.ops.values()), rel=0.1)  # attention masks made apart
+
+
+def _trainer_ddp_step(rank: int, world_size: int, out: str) -> None:
+    """The ops of one stage-0 LowZeroTrainer step of a tiny GPT-2 (the Trainer's DDP), after two
+    (rank 0 writes them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import TrainerCallback
+
+    from hf_lowzero import LowZeroTrainer
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not is_query(func):
+                self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Third(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps, self.counted = 0, Count()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.steps += 1
+            if self.steps == 3:
+                self.counted.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.steps == 3:
+                self.counted.__exit__(None, None, None)
+
+    torch.manual_seed(0)
+    model = tiny_model_spec("gpt2").build(torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (32, 16))
+    third = Third()
+    trainer = LowZeroTrainer(model=model, args=_ddp_args(out, steps=3), callbacks=[third],
+                             train_dataset=[{"input_ids": i, "labels": i} for i in ids])  # fmt: skip
+    trainer.train()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(third.counted.ops), f)
+
+
+def _ddp_args(out: str, steps: int = 1):
+    from hf_lowzero import LowZeroTrainingArguments
+
+    return LowZeroTrainingArguments(
+        output_dir=str(Path(out).parent / "run"), use_cpu=True, report_to=[], per_device_train_batch_size=2,
+        max_steps=steps, logging_steps=10**6, save_strategy="no", zero_stage=0, dataloader_num_workers=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+
+
+def test_the_ddp_stand_in_issues_the_ops_of_the_trainers_ddp(tmp_path):
+    """[Note: DDP's reducer]: the stage-0 step recorded at W = 2 holds, op by op, what the Trainer's DDP
+    step (gloo, W = 2) dispatches for its reducer: per gradient, its write into the bucket, its "used"
+    flag and its copy back."""
+    from hf_lowzero.plan.step_records import TrainingSpec
+    from hf_lowzero.testing import run_distributed
+    from hf_lowzero.timing.record import DDP_AFTER_ALL_REDUCE, DDP_MARK_USED, DDP_PER_GRADIENT
+
+    out = str(tmp_path / "ops.json")
+    run_distributed(_trainer_ddp_step, 2, out=out)
+    real = json.loads(Path(out).read_text())
+
+    spec = tiny_model_spec("gpt2")
+    program = simulate_step(spec, TrainingSpec.from_args(_ddp_args(out)), Setup(0), 2, 2, 16, backend="gloo").program
+    start, end = [i for i, s in enumerate(program.steps) if s[0] == "boundary"][-2:]
+    ran = [s[3] for s in program.steps[start:end] if s[0] == "run" and s[2] != "collective"]
+    recorded = collections.Counter(work.name for work in ran)
+    gradients = sum(1 for p in spec.build(torch.float32).parameters() if p.requires_grad)
+    for name in {name for name, _, _ in DDP_PER_GRADIENT + DDP_MARK_USED + DDP_AFTER_ALL_REDUCE}:
+        assert recorded[name] >= gradients, name
+        assert recorded[name] == pytest.approx(real.get(name, 0), abs=3), name  # a few of the step's own

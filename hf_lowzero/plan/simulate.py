@@ -190,7 +190,12 @@ def _run(simulated: SimulatedStep, recorder: StepRecorder | None) -> StepMemory:
             torch.cuda.reset_peak_memory_stats(device)
         sent_before = sum(comm.comm_stats.sent_bytes.values())
         # DDP's all-reduces, in the last micro-batch's backward (the others run under no_sync)
-        ddp = (lambda: timing.ddp_all_reduces(trainable, world_size)) if ddp_buckets else contextlib.nullcontext
+        find_unused = not training.gradient_checkpointing  # the Trainer's DDP default
+        ddp = (
+            (lambda: timing.ddp_all_reduces(trainable, world_size, find_unused))
+            if ddp_buckets
+            else contextlib.nullcontext
+        )
         step.forward_backward(batch, reference, last=ddp)
         grads_at_peak = tracker.peak_snapshot().get("Gradient", 0)
         all_grads = storage_bytes(p.grad for p in trainable if p.grad is not None)

@@ -5,8 +5,9 @@ What the time model needs of a CPU rank, measured with torch as the step runs it
 - the matmul rate (fp32 and bf16 ``mm`` of 512 x 512), with one thread and with all of torch's;
 - the memory bandwidth of the ops around the matmuls ([Note: elementwise bandwidth]), with one
   thread and with all;
-- the rates of two kinds of op that run slower than those ([Note: the CPU's own rates]): the flash
-  attention's FLOPs and the bandwidth of the ops that compute per element, with one thread and all;
+- the rates the ops of a step reach ([Note: rates in a step] in ``step_rates.py``): a reference
+  step's matmuls against the 512 x 512 ``mm``, its flash attention's FLOPs, and each per-element
+  op's bandwidth ([Note: the CPU's own rates]), with one thread and with all;
 - the cost per op of an eager step: a small MLP's forward and backward on one thread, timed, over
   the aten ops it dispatches (Python, autograd and the dispatcher included: what a step of small
   ops pays);
@@ -23,23 +24,22 @@ their ops.
 
 [Note: the CPU's own rates] On a GPU, attention runs near the matmul rate and every other op near
 memory bandwidth. A CPU thread does not: its flash attention works on blocks of a few dozen rows,
-and reached a third of the 512 x 512 matmul's rate (fp32 at batch 4, 4 heads, 64 and 128 tokens,
-head size 32); layer norm, GELU (``erf``) and softmax and their backward compute per element and
-reached 0.35 to 0.45 of the bandwidth of the ops around them, measured op by op in a BERT-shaped
-step (``benchmarks/plan_time.py``'s). So ``cpu`` measures each on its own: the attention rate is
-``scaled_dot_product_attention``'s forward and backward on a small model's shape, over torch's
-FLOP formulas; the per-element bandwidth is a layer norm, a GELU and a softmax, forward and
-backward, their bytes counted as ``counting.py`` counts them (its ``CPU_ATTENTION`` and
-``PER_ELEMENT_MATH`` name the ops priced at them).
+and reached a third to two thirds of the 512 x 512 matmul's rate; layer norm, GELU (``erf``),
+softmax and their backward compute per element and reached 0.35 to 0.45 of the bandwidth of the ops
+around them, and ``tanh`` (GPT-2's ``gelu_new``) a tenth. So ``cpu`` prices each at the rate it
+reached in the reference step ([Note: rates in a step]): the attention's FLOPs, and the bytes of
+each op of ``counting.PER_ELEMENT_MATH`` at its own bandwidth (``math``), or at theirs together
+(``bandwidth_math``) where the step did not run it.
 
 [Note: calibrated in CPU time] Every figure is timed in CPU seconds of this process (user and
-system: ``time.process_time``), the best of three, not in wall seconds: a machine shared with other
-work runs this process part of the time only, and a wall clock would measure its load, not its
-rates (under a load of 5 on 2 cores, wall-clock rates came out at a third to a fifth of the quiet
-machine's). With several threads, the work is over the CPU seconds per thread (what the threads
-give when they run at once). Gloo's figures are the CPU seconds of each rank's side (sending and
-receiving over loopback is the kernel's copying, which counts as system time), so a collective's
-wait for a slower peer is not in them: the time model prices a step on a machine of its own.
+system: ``time.process_time``), the best of three (the reference step's: the sum over its ops), not
+in wall seconds: a machine shared with other work runs this process part of the time only, and a
+wall clock would measure its load, not its rates (under a load of 5 on 2 cores, wall-clock rates
+came out at a third to a fifth of the quiet machine's). With several threads, the work is over the
+CPU seconds per thread (what the threads give when they run at once). Gloo's figures are the CPU
+seconds of each rank's side (sending and receiving over loopback is the kernel's copying, which
+counts as system time), so a collective's wait for a slower peer is not in them: the time model
+prices a step on a machine of its own.
 
 The figures are kept as JSON under ``HF_LOWZERO_CACHE`` (default ``~/.cache/hf_lowzero``), keyed by
 the CPU, its core count, torch's version and the figures' version (``FIGURES``); delete the file to measure again.
@@ -63,10 +63,11 @@ from pathlib import Path
 import torch
 
 from hf_lowzero.timing.devices import Device
+from hf_lowzero.timing.step_rates import step_rates
 
 CACHE_ENV = "HF_LOWZERO_CACHE"
 SECONDS_PER_FIGURE = 0.4
-FIGURES = 2  # the figures' version: a cache of other figures is measured again
+FIGURES = 3  # the figures' version: a cache of other figures is measured again
 
 
 def cpu_device() -> Device:
@@ -112,8 +113,13 @@ def measure() -> dict:
     for name, fn in (("matmul_fp32", _matmul(torch.float32)), ("matmul_bf16", _matmul(torch.bfloat16))):
         figures[name] = [_with_threads(1, fn), _with_threads(threads, fn)]
     figures["bandwidth"] = [_with_threads(1, _bandwidth), _with_threads(threads, _bandwidth)]
-    figures["bandwidth_math"] = [_with_threads(1, _bandwidth_math), _with_threads(threads, _bandwidth_math)]
-    figures["attention"] = [_with_threads(1, _attention), _with_threads(threads, _attention)]
+    in_step = [step_rates(1), step_rates(threads)]  # [Note: rates in a step] in step_rates.py
+    figures["matmul_step"] = [r["matmul_flops"] / alone for r, alone in zip(in_step, figures["matmul_fp32"])]
+    figures["attention"] = [r["attention"] for r in in_step]
+    heads = in_step[0]["attention_by_head"]
+    figures["attention_by_head"] = {h: [one, in_step[1]["attention_by_head"].get(h, one)] for h, one in heads.items()}
+    figures["bandwidth_math"] = [r["bandwidth_math"] for r in in_step]
+    figures["math"] = {op: [one, in_step[1]["math"].get(op, one)] for op, one in in_step[0]["math"].items()}
     figures["dispatch_s"] = _with_threads(1, _dispatch)  # Python's share: one thread (more spin on a loaded machine)
     figures.update(_gloo())
     return figures
@@ -160,28 +166,6 @@ def _bandwidth() -> float:
         torch.softmax(y, dim=-1).sum().backward()
 
     return _bytes_per_second(block)
-
-
-def _bandwidth_math() -> float:
-    """Bytes per second of the ops that compute per element ([Note: the CPU's own rates])."""
-    x = torch.randn(512, 512, requires_grad=True)
-    norm = torch.nn.LayerNorm(512)
-
-    def block() -> None:
-        torch.softmax(torch.nn.functional.gelu(norm(x)), dim=-1).backward(x)
-
-    return _bytes_per_second(block)
-
-
-def _attention() -> float:
-    """FLOPs per second of the flash attention's forward and backward ([Note: the CPU's own rates])."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    shape = (4, 4, 128, 32)  # batch, heads, tokens, head size: a small model's
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape)
-    flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
-    return _rate(flops, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(grad))
 
 
 def _bytes_per_second(block) -> float:

@@ -21,9 +21,12 @@ Example::
 #   A group of one sends nothing.
 # - On ``cpu`` every op is the host's, at the rates ``calibrate.py`` measured at one thread and at
 #   all (efficiency 1; in between, linear up to all's), and a collective is gloo's measured latency
-#   and bandwidth. Its flash attention takes its FLOPs at the attention rate it measured, and the
+#   and bandwidth. Its flash attention takes its FLOPs at the attention rate it measured for its
+#   head size (between two sizes measured, on a line in their logarithms), and the
 #   ops that compute per element their bytes at the bandwidth it measured for them ([Note: the
-#   CPU's own rates] in ``calibrate.py``); a calibration without them prices both as the others.
+#   CPU's own rates] in ``calibrate.py``), each per-element op it ran in its reference step at the
+#   bandwidth that op reached there, and the matmuls at the rate they reached there ([Note: rates
+#   in a step] in ``step_rates.py``); a calibration without them prices these as the others.
 
 # [Note: autocast on fake GPUs]
 # The plain Trainer's row (stage 0) trains fp32 params under 16-bit autocast. On a GPU, autocast
@@ -33,6 +36,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import math
 
 from hf_lowzero.timing.counting import CPU_ATTENTION, PER_ELEMENT_MATH, OpWork
 from hf_lowzero.timing.devices import Target
@@ -62,12 +67,16 @@ class Costs:
         threads = target.host_threads
         if device.is_host:  # measured with one thread and with all: in between, linear up to all's
             m = device.measured
-            self.matmul = {d: _at_threads(m[f"matmul_{d}"], threads) for d in ("fp32", "bf16")}
+            in_step = _at_threads(m.get("matmul_step", [1.0, 1.0]), threads)  # [Note: rates in a step]
+            self.matmul = {d: _at_threads(m[f"matmul_{d}"], threads) * in_step for d in ("fp32", "bf16")}
             self.bandwidth = _at_threads(m["bandwidth"], threads)
             self.host_flops, self.host_bandwidth = self.matmul["fp32"], self.bandwidth
             # [Note: the CPU's own rates]: per op, a FLOP rate (attention) or a bandwidth (per-element math)
             self.own_flops = _per_op(m, "attention", CPU_ATTENTION, threads)
             self.own_bandwidth = _per_op(m, "bandwidth_math", PER_ELEMENT_MATH, threads)
+            self.own_bandwidth.update({op: _at_threads(rate, threads) for op, rate in m.get("math", {}).items()})
+            by_head = m.get("attention_by_head", {})
+            self.attention_by_head = sorted((int(h), _at_threads(rate, threads)) for h, rate in by_head.items())
         else:
             self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
             self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -75,7 +84,7 @@ class Costs:
                 self.matmul["fp32"] = self.matmul["bf16"]
             self.host_flops = device.host_flops_per_thread * threads
             self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
-            self.own_flops, self.own_bandwidth = {}, {}
+            self.own_flops, self.own_bandwidth, self.attention_by_head = {}, {}, []
 
     @property
     def dispatch(self) -> float:
@@ -87,6 +96,8 @@ class Costs:
         if not work.launches:
             return 0.0
         flops_rate = self.own_flops.get(work.name)
+        if flops_rate is not None and work.head_size and self.attention_by_head:
+            flops_rate = _by_head_size(self.attention_by_head, work.head_size)
         if flops_rate is not None:
             return work.flops / flops_rate + self.target.device.launch_s
         compute = work.flops / self.matmul.get(work.matmul_dtype, self.matmul["fp32"])
@@ -119,6 +130,18 @@ def _per_op(measured: dict, figure: str, ops: frozenset, threads: int) -> dict[s
         return {}
     rate = _at_threads(measured[figure], threads)
     return dict.fromkeys(ops, rate)
+
+
+def _by_head_size(measured: list[tuple[int, float]], head_size: int) -> float:
+    """The attention rate for ``head_size``: between two measured sizes, along a line in their
+    logarithms; beyond them, the nearest's."""
+    if head_size <= measured[0][0]:
+        return measured[0][1]
+    for (low, low_rate), (high, high_rate) in zip(measured, measured[1:]):
+        if head_size <= high:
+            share = math.log(head_size / low) / math.log(high / low)
+            return low_rate + share * (high_rate - low_rate)
+    return measured[-1][1]
 
 
 def _at_threads(measured: list[float], threads: int) -> float:

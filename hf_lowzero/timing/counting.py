@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
@@ -49,7 +49,8 @@ CPU_ATTENTION = frozenset(
 PER_ELEMENT_MATH = frozenset(
     f"aten.{name}"
     for name in ("native_layer_norm", "native_layer_norm_backward", "gelu", "gelu_backward", "_softmax",
-                 "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data")
+                 "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "tanh", "tanh_backward",
+                 "silu", "silu_backward", "sigmoid", "sigmoid_backward", "erf", "exp")
 )  # fmt: skip
 
 
@@ -71,6 +72,7 @@ class OpWork:
     matmul_dtype: str
     launches: bool
     name: str = ""  # the op's name (aten's), for a look at where the time goes
+    head_size: int = 0  # an attention's (``with_cpu_attention``)
 
 
 def op_work(func, args, kwargs, out) -> OpWork:
@@ -95,6 +97,20 @@ def _kind(func) -> tuple[str, bool, bool, object]:
     writes an argument, and torch's FLOP formula for it (or None)."""
     packet = getattr(func, "overloadpacket", None)
     return str(packet), packet in _NO_KERNEL or _is_view(func), _writes(func), flop_registry.get(packet)
+
+
+def with_cpu_attention(args, work: OpWork) -> OpWork:
+    """The CPU's flash attention (``CPU_ATTENTION``), which torch's FLOP formulas do not list: ``work``
+    with the FLOPs the GPU's formula counts, and its head size (a CPU's rate depends on it). A causal
+    mask saves the CPU's kernel nothing at a few hundred tokens (measured: 0.99-1.04 of the full
+    attention's time, 64 to 512 tokens), so its FLOPs are the full attention's."""
+    if work.name.endswith("backward"):
+        grad_out, query, key, value = args[:4]
+        flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    else:
+        query, key, value = args[:3]
+        flops = sdpa_flop_count(query.shape, key.shape, value.shape)
+    return OpWork(float(flops), work.nbytes, work.matmul_dtype, work.launches, work.name, head_size=query.shape[-1])
 
 
 def is_query(func) -> bool:

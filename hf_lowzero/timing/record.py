@@ -34,12 +34,36 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from hf_lowzero.timing.counting import CPU_ATTENTION, OpWork, is_collective_op, is_query, op_work
+from hf_lowzero.timing.counting import (
+    CPU_ATTENTION,
+    OpWork,
+    is_collective_op,
+    is_query,
+    op_work,
+    with_cpu_attention,
+)
 
 HOST = "host"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
+DDP_FIRST_BUCKET_BYTES = 2**20  # and its first bucket's (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+# [Note: DDP's reducer] The ops DDP's C++ reducer issues for each gradient, seen by a dispatch mode
+# over the Trainer's DDP step (gloo; ``test_the_ddp_stand_in_issues_the_ops_of_the_trainers_ddp``):
+# as it is ready, a view of its bucket and the gradient written there divided by the world size
+# (``mul``); where DDP finds unused parameters (the Trainer's default without gradient
+# checkpointing), its "used" flag set (two ``select``, a ``fill_``) and read
+# (``_local_scalar_dense``); after the all-reduce, the bucket's values copied back into ``.grad``.
+# As (name, bytes moved in gradients' sizes or 0: a flag's 4 bytes, launches a kernel). A step of
+# many small gradients pays their dispatch: 1-3 ms of a 30 ms step of a small model on a CPU.
+DDP_PER_GRADIENT = (("aten.as_strided", 0, False), ("aten.mul", 2, True))
+DDP_MARK_USED = (  # with find_unused_parameters, the Trainer's default without gradient checkpointing
+    ("aten.select", 0, False),
+    ("aten.select", 0, False),
+    ("aten.fill_", 0, True),
+    ("aten._local_scalar_dense", 0, False),
+)
+DDP_AFTER_ALL_REDUCE = (("aten.copy_", 2, True),)
 aten = torch.ops.aten
 
 
@@ -103,7 +127,7 @@ class StepRecorder(TorchDispatchMode):
             return
         work = op_work(func, args, kwargs, out)
         if work.name in CPU_ATTENTION:
-            work = _with_cpu_attention(args, work)
+            work = with_cpu_attention(args, work)
         steps = self.program.steps
         tensors = _tensors(args, kwargs, out) if self.ops is not None else []
         cuda = [t for t in tensors if t.device.type == "cuda"]
@@ -133,23 +157,37 @@ class StepRecorder(TorchDispatchMode):
         self.program.steps.append(("wait", HOST, self.program.mark("gloo")))
 
     @contextlib.contextmanager
-    def ddp_all_reduces(self, params: list[torch.Tensor], world_size: int) -> Iterator[None]:
+    def ddp_all_reduces(self, params: list[torch.Tensor], world_size: int, find_unused: bool = True) -> Iterator[None]:
         """Within: DDP's all-reduces of ``params``' gradients, which a fake step cannot run (stage 0
         builds no DDP on fake tensors, [Note: what the simulation leaves out] in plan/simulate.py):
-        a bucket of ``DDP_BUCKET_BYTES`` queued as backward fills it, and the rest with the last
-        gradient; the step waits for them all at the end of the block, as DDP's backward does."""
+        the first bucket of ``DDP_FIRST_BUCKET_BYTES`` and each next of ``DDP_BUCKET_BYTES`` queued
+        as backward fills it, and the rest with the last gradient; the step waits for them all at the
+        end of the block, as DDP's backward does. Each gradient costs the reducer's own ops ([Note:
+        DDP's reducer])."""
         compute, comm = ("compute", "nccl") if self.ops is not None else (HOST, "gloo")
-        pending = [0]
+        kind = "kernel" if self.ops is not None else "host"
+        pending, caps = [0], [DDP_FIRST_BUCKET_BYTES]
+        ready: list[int] = []
+
+        def reducer(ops, nbytes: int) -> None:  # [Note: DDP's reducer]
+            if self.recording:
+                for name, moved, launches in ops:
+                    work = OpWork(0.0, moved * nbytes if moved else 4, "fp32", launches, name)
+                    self.program.steps.append(("run", compute, kind, work))
 
         def queue() -> None:
             if self.recording and pending[0]:
                 self.program.steps.append(("wait", comm, self.program.mark(compute)))
                 self.program.steps.append(("run", comm, "collective", ("all_reduce", pending[0], world_size)))
             pending[0] = 0
+            caps[0] = DDP_BUCKET_BYTES
 
         def filled(p: torch.Tensor) -> None:
-            pending[0] += p.numel() * p.element_size()
-            if pending[0] >= DDP_BUCKET_BYTES:
+            nbytes = p.numel() * p.element_size()
+            reducer(DDP_PER_GRADIENT + (DDP_MARK_USED if find_unused else ()), nbytes)
+            ready.append(nbytes)
+            pending[0] += nbytes
+            if pending[0] >= caps[0]:
                 queue()
 
         handles = [p.register_post_accumulate_grad_hook(filled) for p in params]
@@ -158,6 +196,8 @@ class StepRecorder(TorchDispatchMode):
             queue()
             if self.recording:
                 self.program.steps.append(("wait", compute, self.program.mark(comm)))
+            for nbytes in ready:
+                reducer(DDP_AFTER_ALL_REDUCE, nbytes)
         finally:
             for handle in handles:
                 handle.remove()
@@ -201,17 +241,6 @@ _C10D_NAMES = {
     "allgather_into_tensor_coalesced": "all_gather",
     "alltoall_base": "all_to_all",
 }
-
-
-def _with_cpu_attention(args, work: OpWork) -> OpWork:
-    """The CPU's flash attention, which torch's FLOP formulas do not list: counted as the GPU's."""
-    if work.name.endswith("backward"):
-        grad_out, query, key, value = args[:4]
-        flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-    else:
-        query, key, value = args[:3]
-        flops = sdpa_flop_count(query.shape, key.shape, value.shape)
-    return OpWork(float(flops), work.nbytes, work.matmul_dtype, work.launches, work.name)
 
 
 def _tensors(args, kwargs, out) -> list[torch.Tensor]:
