@@ -2,6 +2,7 @@
 
 - ``devices.py``: the devices a plan times for, with sources, and the ``Target`` (device, node, links);
 - ``calibrate.py``: ``cpu``, this machine, measured once and cached;
+- ``step_rates.py``: the rates a CPU's ops reach inside a step ([Note: rates in a step]);
 - ``counting.py``: an op's FLOPs and bytes;
 - ``costs.py``: the cost model, seconds per op, copy and collective ([Note: the cost model]);
 - ``record.py``: ``StepRecorder``, the simulated step's sequence as it is issued ([Note: the step's own sequence]);
