@@ -23,8 +23,10 @@ from hf_lowzero.plan.planner import parse_bytes
 from hf_lowzero.plan.simulate import Setup, simulate_step
 from hf_lowzero.plan.tracker import storage_bytes
 from hf_lowzero.testing import run_distributed
+from hf_lowzero.timing import calibrate
 from hf_lowzero.trainer.plan_cli import main as plan_main
 from tests.hf_models import TokenDataset, tiny_gpt2
+from tests.test_timing import FIXED_CPU
 
 # What the fast tier checks against real steps: DDP, and ZeRO with an 8-bit optimizer (whole-param
 # ownership, state from a probe). The slow tier adds each model family, LoRA, checkpointing,
@@ -377,7 +379,11 @@ def test_auto_stage_refuses_before_training_when_nothing_fits(trainer_process_gr
     assert not (tmp_path / "none").exists()
 
 
-def test_auto_find_batch_size_starts_from_the_plans_batch(trainer_process_group, tmp_path):
+def test_auto_find_batch_size_starts_from_the_plans_batch(trainer_process_group, tmp_path, monkeypatch):
+    # ``cpu``'s figures fixed: the fastest setup that fits is then the same on every machine
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path / "cache"))
+    calibrate.cache_path().parent.mkdir(parents=True)
+    calibrate.cache_path().write_text(json.dumps(FIXED_CPU))
     model = OomGpt2(tiny_gpt2().config)
     args = auto_args(tmp_path / "oom", "1200KiB", auto_find_batch_size=True, per_device_train_batch_size=1)
     trainer = LowZeroTrainer(model=model, args=args, train_dataset=TokenDataset())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from hf_lowzero.plan.simulate import simulate_step
 from hf_lowzero.plan.step_records import Setup
 from hf_lowzero.timing import Costs, Program, Target, calibrate, find_device, parse_bandwidth, schedule
 from hf_lowzero.timing.costs import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
-from hf_lowzero.timing.counting import PER_ELEMENT_MATH, OpWork, is_query, op_work
+from hf_lowzero.timing.counting import PER_ELEMENT_MATH, OpWork, is_query, op_work, with_cpu_attention
 from hf_lowzero.trainer.plan_cli import main as plan_main
 
 H100 = Target.of("H100", gpus_per_node=4, inter_node="100Gb/s")
@@ -132,7 +133,29 @@ def test_an_op_counts_its_flops_and_bytes():
     assert not op_work(torch.ops.prim.device.default, (a,), {}, a.device).launches  # a query
     assert is_query(torch.ops.prim.device.default) and is_query(torch.ops.aten.sym_size.int)
     assert not is_query(torch.ops.aten.mm.default) and not is_query(torch.ops.aten.view.default)
-    assert op_work(torch.ops.aten._foreach_add_.Scalar, ([a], 1.0), {}, None).launches  # in place, returns nothing
+    added = op_work(torch.ops.aten._foreach_add_.Scalar, ([a, b], 1.0), {}, None)
+    assert added.launches and added.tensors == 2 and work.tensors == 0  # in place, returns nothing; 2 tensors
+    q, k = torch.ones(2, 4, 8, 32), torch.ones(2, 4, 128, 32)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    attention = with_cpu_attention((q, k, k), op_work(flash, (q, k, k), {}, flash(q, k, k)))
+    assert (attention.head_size, attention.tokens) == (32, 128)  # its keys per sequence, not its queries
+
+
+def test_on_cpu_a_multi_tensor_op_pays_for_each_of_its_tensors():
+    """[Note: a cost per tensor]: on ``cpu`` a ``_foreach_*`` or ``_fused_*`` op costs its bytes plus a
+    cost per tensor, its own where the calibration measured it (else theirs on average); on a GPU, its
+    bytes only. The calibration's figures are the ops' own: more for a norm than for an add."""
+    figures = FIXED_CPU | {"per_tensor_s": {"aten._foreach_norm": 2e-6, "aten._foreach_add_": 1e-6}}
+    cpu = Costs(Target.of(calibrate.device_from(figures), host_threads=1))
+    norm = OpWork(0.0, 8e6, "fp32", True, "aten._foreach_norm", tensors=100)
+    other = OpWork(0.0, 8e6, "fp32", True, "aten._foreach_zero_", tensors=100)
+    assert cpu.kernel(norm) == pytest.approx(8e6 / 8e9 + 100 * 2e-6)
+    assert cpu.kernel(other) == pytest.approx(8e6 / 8e9 + 100 * 1.5e-6)
+    assert cpu.kernel(replace(norm, tensors=0)) == pytest.approx(8e6 / 8e9)
+    h100 = Costs(Target.of("H100"))
+    assert h100.kernel(norm) == h100.kernel(replace(norm, tensors=1))
+    measured = calibrate._with_threads(1, calibrate._per_tensor)
+    assert measured["aten._foreach_norm"] > measured["aten._foreach_add_"] > 0
 
 
 def test_devices_and_bandwidths_are_read_or_refused_clearly():
@@ -180,7 +203,7 @@ def test_on_cpu_attention_and_per_element_math_run_at_the_rates_measured_for_the
         "bandwidth_math": [2e9, 3e9],
         "math": {"aten.tanh": [0.5e9, 1e9]},
         "matmul_step": [0.8, 0.9],
-        "attention_by_head": {"32": [10e9, 20e9], "128": [30e9, 40e9]},
+        "attention_by_head": {"32": {"64": [10e9, 20e9], "256": [16e9, 20e9]}, "128": {"64": [30e9, 40e9]}},
     }
     costs, plain = (Costs(Target.of(calibrate.device_from(m), host_threads=1)) for m in (own, FIXED_CPU))
     attention = OpWork(4e9, 2**20, "fp32", True, "aten._scaled_dot_product_flash_attention_for_cpu_backward")
@@ -190,8 +213,14 @@ def test_on_cpu_attention_and_per_element_math_run_at_the_rates_measured_for_the
     mm = OpWork(4e9, 2**20, "fp32", True, "aten.mm")
     assert costs.kernel(attention) == pytest.approx(4e9 / 20e9)  # no head size: the rate over all
     for head_size, rate in ((16, 10e9), (32, 10e9), (64, 20e9), (128, 30e9), (256, 30e9)):  # a line in log2
-        sized = OpWork(4e9, 2**20, "fp32", True, attention.name, head_size=head_size)
+        sized = OpWork(4e9, 2**20, "fp32", True, attention.name, head_size=head_size, tokens=64)
         assert costs.kernel(sized) == pytest.approx(4e9 / rate), head_size
+    # over more keys, a head of 32 runs faster: 1 / rate = a + b / keys through 10e9 at 64 and 16e9 at 256
+    # (a = 0.05, b = 3.2 per GFLOP/s), toward 20e9; one length measured (128): its rate at every length
+    for keys, rate in ((64, 10e9), (256, 16e9), (1024, 1 / (0.05 + 3.2 / 1024) * 1e9), (10**9, 20e9)):
+        sized = OpWork(4e9, 2**20, "fp32", True, attention.name, head_size=32, tokens=keys)
+        assert costs.kernel(sized) == pytest.approx(4e9 / rate, rel=1e-6), keys
+        assert costs.kernel(replace(sized, head_size=128)) == pytest.approx(4e9 / 30e9), keys
     assert costs.kernel(gelu) == pytest.approx(2**24 / 2e9)
     assert costs.kernel(tanh) == pytest.approx(2**24 / 0.5e9)
     assert costs.kernel(add) == plain.kernel(add) == pytest.approx(2**24 / 8e9)
@@ -205,7 +234,7 @@ def test_the_reference_step_counts_its_ops_work_as_torch_counts_it():
     from torch.utils.flop_counter import FlopCounterMode
 
     from hf_lowzero.timing.counting import CPU_ATTENTION
-    from hf_lowzero.timing.step_rates import OpClock, reference_step
+    from hf_lowzero.timing.step_rates import OpClock, reference_step, step_rates
 
     step = reference_step()
     step()
@@ -218,13 +247,19 @@ def test_the_reference_step_counts_its_ops_work_as_torch_counts_it():
     attention = {name: v[1] for name, v in clock.ops.items() if name.partition("@")[0] in CPU_ATTENTION}
     torch_matmuls = sum(n for op, n in counted.items() if "attention" not in str(op))
     assert matmuls == torch_matmuls > 0
-    assert {name.partition("@")[2] for name in attention} == {"32", "64", "128"}  # each head size apart
+    assert {name.partition("@")[2] for name in attention} == {"32@64", "64@64", "128@64"}  # each head size apart
     assert all(flops > 0 for flops in attention.values())
     for forward, backward in (("gelu", "gelu_backward"), ("tanh", "tanh_backward"), ("silu", "silu_backward"),
                               ("native_layer_norm", "native_layer_norm_backward"),
                               ("_log_softmax", "_log_softmax_backward_data")):  # fmt: skip
         assert {f"aten.{forward}", f"aten.{backward}"} <= set(clock.ops) & PER_ELEMENT_MATH
     assert all(seconds >= 0 and nbytes > 0 for seconds, _, nbytes in clock.ops.values() if nbytes)
+    found = step_rates(threads=1)  # each head size over short keys and long ([Note: rates in a step])
+    assert {h: set(by_keys) for h, by_keys in found["attention_by_head"].items()} == dict.fromkeys(
+        ("32", "64", "128"), {"64", "256"}
+    )
+    assert all(rate > 0 for by_keys in found["attention_by_head"].values() for rate in by_keys.values())
+    assert {"aten.sum", "aten.gelu", "aten.tanh"} <= set(found["math"])  # the bias gradients' sums too
 
 
 def test_the_plan_prints_its_time_columns_as_json_from_the_rows_of_its_table(fixed_cpu, tmp_path, capsys):

@@ -11,6 +11,7 @@ What the time model needs of a CPU rank, measured with torch as the step runs it
 - the cost per op of an eager step: a small MLP's forward and backward on one thread, timed, over
   the aten ops it dispatches (Python, autograd and the dispatcher included: what a step of small
   ops pays);
+- the cost per tensor of a multi-tensor op ([Note: a cost per tensor]);
 - gloo's latency and bandwidth: an all-reduce of one element and of 16 MiB between two local ranks
   (two gloo groups in two threads of this process, over loopback as local processes talk).
 
@@ -30,6 +31,15 @@ around them, and ``tanh`` (GPT-2's ``gelu_new``) a tenth. So ``cpu`` prices each
 reached in the reference step ([Note: rates in a step]): the attention's FLOPs, and the bytes of
 each op of ``counting.PER_ELEMENT_MATH`` at its own bandwidth (``math``), or at theirs together
 (``bandwidth_math``) where the step did not run it.
+
+[Note: a cost per tensor] A ``_foreach_*`` op or a fused optimizer step (``_fused_adamw_``) is one
+op to the dispatcher, but a CPU runs it tensor by tensor, and pays for each: over 64 tensors of 4
+elements, 1.1 us a tensor for a norm, 0.4 us for an add, a product or an AdamW step, on top of
+their bytes. A Trainer's step runs four of them over every gradient (the norm and the scaling of
+``max_grad_norm``, the optimizer's step per group): a model of many small tensors pays it. So ``cpu``
+measures each (the op over 64 such tensors, less over one, per tensor) and prices a multi-tensor op
+at its bytes plus its tensors at its own figure (an op it did not measure at their mean). A GPU's
+multi-tensor kernels take many tensors per launch: no cost per tensor there.
 
 [Note: calibrated in CPU time] Every figure is timed in CPU seconds of this process (user and
 system: ``time.process_time``), the best of three (the reference step's: the sum over its ops), not
@@ -52,6 +62,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -67,7 +78,7 @@ from hf_lowzero.timing.step_rates import step_rates
 
 CACHE_ENV = "HF_LOWZERO_CACHE"
 SECONDS_PER_FIGURE = 0.4
-FIGURES = 3  # the figures' version: a cache of other figures is measured again
+FIGURES = 4  # the figures' version: a cache of other figures is measured again
 
 
 def cpu_device() -> Device:
@@ -116,11 +127,15 @@ def measure() -> dict:
     in_step = [step_rates(1), step_rates(threads)]  # [Note: rates in a step] in step_rates.py
     figures["matmul_step"] = [r["matmul_flops"] / alone for r, alone in zip(in_step, figures["matmul_fp32"])]
     figures["attention"] = [r["attention"] for r in in_step]
-    heads = in_step[0]["attention_by_head"]
-    figures["attention_by_head"] = {h: [one, in_step[1]["attention_by_head"].get(h, one)] for h, one in heads.items()}
+    one, everyone = (r["attention_by_head"] for r in in_step)  # {head size: {keys: rate}}
+    figures["attention_by_head"] = {
+        h: {keys: [rate, everyone.get(h, {}).get(keys, rate)] for keys, rate in by_keys.items()}
+        for h, by_keys in one.items()
+    }
     figures["bandwidth_math"] = [r["bandwidth_math"] for r in in_step]
     figures["math"] = {op: [one, in_step[1]["math"].get(op, one)] for op, one in in_step[0]["math"].items()}
     figures["dispatch_s"] = _with_threads(1, _dispatch)  # Python's share: one thread (more spin on a loaded machine)
+    figures["per_tensor_s"] = _with_threads(1, _per_tensor)  # [Note: a cost per tensor]
     figures.update(_gloo())
     return figures
 
@@ -205,6 +220,35 @@ def _dispatch() -> float:
         model(x).sum().backward()
 
     return 1.0 / _rate(1.0, step) / _counted(step)[0]
+
+
+def _per_tensor() -> dict[str, float]:
+    """CPU seconds for each tensor of a multi-tensor op ([Note: a cost per tensor]): the ops of a
+    Trainer's step over 64 tensors of 4 elements, less over one, per tensor."""
+    small = [[torch.randn(4) for _ in range(64)] for _ in range(4)]
+    step = torch.tensor(1.0)
+    adamw = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False,
+             "maximize": False}  # fmt: skip
+    ops = {
+        "aten._foreach_norm": lambda n: torch._foreach_norm(small[0][:n]),
+        "aten._foreach_mul_": lambda n: torch._foreach_mul_(small[0][:n], step),
+        "aten._foreach_add_": lambda n: torch._foreach_add_(small[0][:n], small[1][:n]),
+        "aten._fused_adamw_": lambda n: torch._fused_adamw_(*(t[:n] for t in small), [], [step] * n, **adamw),
+    }
+    return {name: max(_seconds(functools.partial(op, 64)) - _seconds(functools.partial(op, 1)), 0.0) / 63
+            for name, op in ops.items()}  # fmt: skip
+
+
+def _seconds(call, calls: int = 50) -> float:
+    """CPU seconds per call of a short ``call``: the best of five runs of ``calls``."""
+    call()
+    best = float("inf")
+    for _ in range(5):
+        start = time.process_time()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.process_time() - start) / calls)
+    return best
 
 
 def _gloo() -> dict:

@@ -22,7 +22,9 @@ Example::
 # - On ``cpu`` every op is the host's, at the rates ``calibrate.py`` measured at one thread and at
 #   all (efficiency 1; in between, linear up to all's), and a collective is gloo's measured latency
 #   and bandwidth. Its flash attention takes its FLOPs at the attention rate it measured for its
-#   head size (between two sizes measured, on a line in their logarithms), and the
+#   head size (between two sizes measured, on a line in their logarithms) and its keys per sequence
+#   (1 / rate = a + b / keys, through the two lengths measured), a multi-tensor op pays for each of
+#   its tensors ([Note: a cost per tensor] in ``calibrate.py``), and the
 #   ops that compute per element their bytes at the bandwidth it measured for them ([Note: the
 #   CPU's own rates] in ``calibrate.py``), each per-element op it ran in its reference step at the
 #   bandwidth that op reached there, and the matmuls at the rate they reached there ([Note: rates
@@ -75,8 +77,13 @@ class Costs:
             self.own_flops = _per_op(m, "attention", CPU_ATTENTION, threads)
             self.own_bandwidth = _per_op(m, "bandwidth_math", PER_ELEMENT_MATH, threads)
             self.own_bandwidth.update({op: _at_threads(rate, threads) for op, rate in m.get("math", {}).items()})
-            by_head = m.get("attention_by_head", {})
-            self.attention_by_head = sorted((int(h), _at_threads(rate, threads)) for h, rate in by_head.items())
+            by_head = m.get("attention_by_head", {})  # {head size: {keys: [one, all]}}
+            self.attention_by_head = sorted(
+                (int(h), _per_key(sorted((int(k), _at_threads(r, threads)) for k, r in by_keys.items())))
+                for h, by_keys in by_head.items()
+                if isinstance(by_keys, dict)  # an older cache's [one, all] at one length: the rate over all
+            )
+            self.per_tensor = m.get("per_tensor_s", {})  # [Note: a cost per tensor] in calibrate.py
         else:
             self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
             self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -84,7 +91,7 @@ class Costs:
                 self.matmul["fp32"] = self.matmul["bf16"]
             self.host_flops = device.host_flops_per_thread * threads
             self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
-            self.own_flops, self.own_bandwidth, self.attention_by_head = {}, {}, []
+            self.own_flops, self.own_bandwidth, self.attention_by_head, self.per_tensor = {}, {}, [], {}
 
     @property
     def dispatch(self) -> float:
@@ -97,12 +104,19 @@ class Costs:
             return 0.0
         flops_rate = self.own_flops.get(work.name)
         if flops_rate is not None and work.head_size and self.attention_by_head:
-            flops_rate = _by_head_size(self.attention_by_head, work.head_size)
+            flops_rate = _by_head_size(self.attention_by_head, work.head_size, work.tokens)
         if flops_rate is not None:
             return work.flops / flops_rate + self.target.device.launch_s
         compute = work.flops / self.matmul.get(work.matmul_dtype, self.matmul["fp32"])
         bandwidth = self.own_bandwidth.get(work.name, self.bandwidth)
-        return max(compute, work.nbytes / bandwidth) + self.target.device.launch_s
+        return max(compute, work.nbytes / bandwidth) + self._per_tensors(work) + self.target.device.launch_s
+
+    def _per_tensors(self, work: OpWork) -> float:
+        """A multi-tensor op's cost for its tensors on a CPU ([Note: a cost per tensor])."""
+        if not work.tensors or not self.per_tensor:
+            return 0.0
+        each = self.per_tensor.get(work.name, sum(self.per_tensor.values()) / len(self.per_tensor))
+        return work.tensors * each
 
     def host(self, work: OpWork) -> float:
         """An op on host tensors, at the host's rates for its threads."""
@@ -132,16 +146,38 @@ def _per_op(measured: dict, figure: str, ops: frozenset, threads: int) -> dict[s
     return dict.fromkeys(ops, rate)
 
 
-def _by_head_size(measured: list[tuple[int, float]], head_size: int) -> float:
-    """The attention rate for ``head_size``: between two measured sizes, along a line in their
+def _per_key(measured: list[tuple[int, float]]) -> tuple[float, float]:
+    """An attention's seconds per FLOP ``(a, b)`` at ``keys`` keys per sequence, ``a + b / keys``,
+    through the rates measured at two lengths (``[(keys, rate), ...]``): a cost per score and one per
+    row of queries ([Note: rates in a step]). One length, or a longer one measured slower (noise): its
+    rate at every length (their mean)."""
+    (short, short_rate), (long, long_rate) = measured[0], measured[-1]
+    if long <= short or long_rate <= short_rate:
+        rate = sum(r for _, r in measured) / len(measured)
+        return 1.0 / rate, 0.0
+    b = (1.0 / short_rate - 1.0 / long_rate) / (1.0 / short - 1.0 / long)
+    a = 1.0 / long_rate - b / long
+    if a <= 0:  # a rate growing as fast as the keys: no law of this kind, noise
+        return 2.0 / (short_rate + long_rate), 0.0
+    return a, b
+
+
+def _by_head_size(measured: list[tuple[int, tuple[float, float]]], head_size: int, keys: int) -> float:
+    """The attention rate for ``head_size`` over ``keys`` keys (``_per_key``'s law at each head size
+    measured; no keys known: the law's limit): between two measured sizes, along a line in their
     logarithms; beyond them, the nearest's."""
+
+    def rate(law: tuple[float, float]) -> float:
+        a, b = law
+        return 1.0 / (a + (b / keys if keys else 0.0))
+
     if head_size <= measured[0][0]:
-        return measured[0][1]
-    for (low, low_rate), (high, high_rate) in zip(measured, measured[1:]):
+        return rate(measured[0][1])
+    for (low, low_law), (high, high_law) in zip(measured, measured[1:]):
         if head_size <= high:
             share = math.log(head_size / low) / math.log(high / low)
-            return low_rate + share * (high_rate - low_rate)
-    return measured[-1][1]
+            return rate(low_law) + share * (rate(high_law) - rate(low_law))
+    return rate(measured[-1][1])
 
 
 def _at_threads(measured: list[float], threads: int) -> float:

@@ -44,15 +44,20 @@ CPU_ATTENTION = frozenset(
     {"aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention_for_cpu_backward"}
 )
 
-# Ops that compute per element (``erf``, ``exp``, a row's mean and variance) more than they move
-# bytes: on ``cpu`` they run at a bandwidth of their own ([Note: the CPU's own rates]).
+# Ops that compute per element (``erf``, ``exp``, a row's mean and variance, a sum or a norm) more
+# than they move bytes: on ``cpu`` they run at a bandwidth of their own ([Note: the CPU's own rates]).
 PER_ELEMENT_MATH = frozenset(
     f"aten.{name}"
     for name in ("native_layer_norm", "native_layer_norm_backward", "gelu", "gelu_backward", "_softmax",
                  "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "tanh", "tanh_backward",
-                 "silu", "silu_backward", "sigmoid", "sigmoid_backward", "erf", "exp")
+                 "silu", "silu_backward", "sigmoid", "sigmoid_backward", "erf", "exp", "sum", "_foreach_norm",
+                 "linalg_vector_norm")
 )  # fmt: skip
 
+
+# Ops over lists of tensors (``torch._foreach_norm``, the fused optimizers' steps): a CPU loops over
+# the tensors, and pays for each ([Note: a cost per tensor] in ``calibrate.py``).
+MULTI_TENSOR = ("aten._foreach_", "aten._fused_")
 
 # Ops that read a tensor's metadata: a real tensor answers them without the dispatcher.
 _QUERIES = frozenset(
@@ -73,6 +78,8 @@ class OpWork:
     launches: bool
     name: str = ""  # the op's name (aten's), for a look at where the time goes
     head_size: int = 0  # an attention's (``with_cpu_attention``)
+    tokens: int = 0  # an attention's keys per sequence (``with_cpu_attention``)
+    tensors: int = 0  # a multi-tensor op's (``_foreach_*``, ``_fused_*``) tensors per list
 
 
 def op_work(func, args, kwargs, out) -> OpWork:
@@ -88,7 +95,8 @@ def op_work(func, args, kwargs, out) -> OpWork:
         flops = float(counter(*args, **kwargs, out_val=out))
     floats = [t.dtype for t in tensors if t.is_floating_point()]
     sixteen = any(d in (torch.float16, torch.bfloat16) for d in floats)
-    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True, name=name)
+    many = len(args[0]) if name.startswith(MULTI_TENSOR) and args and isinstance(args[0], (list, tuple)) else 0
+    return OpWork(flops, nbytes, "bf16" if sixteen else "fp32", launches=True, name=name, tensors=many)
 
 
 @functools.cache
@@ -101,7 +109,8 @@ def _kind(func) -> tuple[str, bool, bool, object]:
 
 def with_cpu_attention(args, work: OpWork) -> OpWork:
     """The CPU's flash attention (``CPU_ATTENTION``), which torch's FLOP formulas do not list: ``work``
-    with the FLOPs the GPU's formula counts, and its head size (a CPU's rate depends on it). A causal
+    with the FLOPs the GPU's formula counts, its head size and its keys per sequence (a CPU's rate
+    depends on both). A causal
     mask saves the CPU's kernel nothing at a few hundred tokens (measured: 0.99-1.04 of the full
     attention's time, 64 to 512 tokens), so its FLOPs are the full attention's."""
     if work.name.endswith("backward"):
@@ -110,7 +119,8 @@ def with_cpu_attention(args, work: OpWork) -> OpWork:
     else:
         query, key, value = args[:3]
         flops = sdpa_flop_count(query.shape, key.shape, value.shape)
-    return OpWork(float(flops), work.nbytes, work.matmul_dtype, work.launches, work.name, head_size=query.shape[-1])
+    return OpWork(float(flops), work.nbytes, work.matmul_dtype, work.launches, work.name, head_size=query.shape[-1],
+                  tokens=key.shape[-2])  # fmt: skip
 
 
 def is_query(func) -> bool:

@@ -11,14 +11,17 @@ model priced at the rates alone came out 0.76-0.83 of those steps.
 So ``cpu`` also runs a reference step: a small transformer of ``torch.nn`` parts (not one of the
 models it plans), three blocks whose MLPs use an exact GELU, a tanh GELU and a SiLU gate, and
 whose attention (``scaled_dot_product_attention``) has heads of 32, 64 and 128, then a
-cross-entropy head. Its forward and backward run
-under a dispatch mode that times every op in CPU seconds; the figures are what those ops reached:
+cross-entropy head. It runs twice, on the same 256 tokens: 4 sequences of 64 and one of 256
+(``SHAPES``). Its forward and backward run under a dispatch mode that times every op in CPU
+seconds; the figures are what those ops reached:
 
-- ``matmul_step``: the matmuls' FLOPs per second in the step, over the rate of the 512 x 512
-  ``mm`` alone (the costs scale both dtypes' rates by it);
-- ``attention``: the flash attention's FLOPs per second, forward and backward, for each head size
-  (``attention_by_head``: 32, 64 and 128; at a few hundred tokens a head of 32 runs at about half the
-  rate of one of 128) and over all;
+- ``matmul_flops``: the matmuls' FLOPs per second in the step (``calibrate.py`` keeps it over the
+  rate of the 512 x 512 ``mm`` alone, and the costs scale both dtypes' rates by it);
+- ``attention``: the flash attention's FLOPs per second, forward and backward, over all, and
+  ``attention_by_head`` for each head size (32, 64 and 128) and keys per sequence (64 and 256). A
+  CPU's flash attention pays for each row of queries as well as for each score: alone, a head of
+  32 ran at 46 GFLOP/s over 64 keys, 55 over 128 and 65 over 256 and 512, and a head of 128 at
+  about 1.3 times those (the costs take 1 / rate = a + b / keys through the two lengths measured);
 - ``math``: each per-element op's bytes per second (``counting.PER_ELEMENT_MATH``), and
   ``bandwidth_math`` for all of them together (what a per-element op the step did not run is
   priced at).
@@ -32,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -42,10 +46,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_lowzero.timing.counting import CPU_ATTENTION, PER_ELEMENT_MATH, is_query, op_work, with_cpu_attention
 
-WIDTH, BATCH, TOKENS, VOCAB = 256, 2, 128, 2000
+WIDTH, VOCAB = 256, 2000
+SHAPES = ((4, 64), (1, 256))  # (sequences, tokens each): the attention over short keys and long, the same matmuls
 # Each block's MLP activation and head size: an encoder's GELU, GPT-2's tanh GELU, Llama's SiLU gate.
 BLOCKS = (("gelu", 32), ("tanh", 64), ("silu", 128))
-WARM_UP, TIMED = 2, 3
+WARM_UP, TIMED = 2, 5
 
 
 class _Block(nn.Module):
@@ -84,8 +89,8 @@ class _Reference(nn.Module):
 
 
 class OpClock(TorchDispatchMode):
-    """Per op name (an attention's with ``@`` its head size): CPU seconds per thread, FLOPs and bytes
-    (``counting.py``'s)."""
+    """Per op name (an attention's with ``@`` its head size and ``@`` its keys per sequence): CPU
+    seconds per thread, FLOPs and bytes (``counting.py``'s)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,7 +106,7 @@ class OpClock(TorchDispatchMode):
             name = work.name
             if name in CPU_ATTENTION:
                 work = with_cpu_attention(args, work)
-                name = f"{name}@{work.head_size}"
+                name = f"{name}@{work.head_size}@{work.tokens}"
             found = self.ops.setdefault(name, [0.0, 0.0, 0.0])
             found[0] += seconds
             found[1] += work.flops
@@ -109,45 +114,63 @@ class OpClock(TorchDispatchMode):
         return out
 
 
-def reference_step() -> Callable[[], None]:
-    """One forward and backward of the reference model ([Note: rates in a step]), built once."""
+def reference_step(sequences: int = SHAPES[0][0], tokens: int = SHAPES[0][1]) -> Callable[[], None]:
+    """One forward and backward of the reference model ([Note: rates in a step]) on ``sequences`` of
+    ``tokens``, built once."""
     torch.manual_seed(0)
     model = _Reference()
-    ids = torch.randint(0, VOCAB, (BATCH, TOKENS))
+    ids = torch.randint(0, VOCAB, (sequences, tokens))
     return lambda: model(ids).backward()
 
 
 def step_rates(threads: int) -> dict:
-    """What the reference step's ops reached at ``threads`` threads ([Note: rates in a step])."""
+    """What the reference step's ops reached at ``threads`` threads ([Note: rates in a step]): each
+    figure the median of ``TIMED`` steps' (one a step of each shape), as a VM's pace wanders."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        step = reference_step()
-        for _ in range(WARM_UP):
-            step()
-        with OpClock() as clock:
-            for _ in range(TIMED):
+        steps = [reference_step(*shape) for shape in SHAPES]
+        for step in steps:
+            for _ in range(WARM_UP):
                 step()
+        found = []
+        for _ in range(TIMED):
+            with OpClock() as clock:
+                for step in steps:
+                    step()
+            found.append(_figures(clock.ops))
     finally:
         torch.set_num_threads(before)
-    ops = clock.ops
-    attention: dict[str, list] = {}
+    return _median(found)
+
+
+def _figures(ops: dict[str, list[float]]) -> dict:
+    """The figures of one clock's ops (``OpClock.ops``)."""
+    attention: dict[tuple[int, int], list] = {}  # (head size, keys): forward's and backward's
     for name, v in ops.items():
-        if name.partition("@")[0] in CPU_ATTENTION:
-            attention.setdefault(name.partition("@")[2], []).append(v)
+        op, _, shape = name.partition("@")
+        if op in CPU_ATTENTION:
+            head, _, keys = shape.partition("@")
+            attention.setdefault((int(head), int(keys)), []).append(v)
+    by_head: dict[str, dict[str, float]] = {}
+    for (head, keys), found in sorted(attention.items()):
+        by_head.setdefault(str(head), {})[str(keys)] = _ratio(found, 1)
     matmuls = [v for name, v in ops.items() if v[1] > 0 and name.partition("@")[0] not in CPU_ATTENTION]
     per_element = {name: v for name, v in ops.items() if name in PER_ELEMENT_MATH}
     return {
         "matmul_flops": _ratio(matmuls, 1),
         "attention": _ratio([v for found in attention.values() for v in found], 1),
-        "attention_by_head": {head: _ratio(found, 1) for head, found in sorted(attention.items(), key=_number)},
+        "attention_by_head": by_head,
         "math": {name: _ratio([v], 2) for name, v in sorted(per_element.items())},
         "bandwidth_math": _ratio(list(per_element.values()), 2),
     }
 
 
-def _number(item) -> int:
-    return int(item[0])
+def _median(found: list[dict]):
+    """Figure by figure, at any depth of dicts, the median of ``found``'s."""
+    if isinstance(found[0], dict):
+        return {key: _median([f[key] for f in found]) for key in found[0]}
+    return statistics.median(found)
 
 
 def _ratio(found: list[list[float]], index: int) -> float:
