@@ -16,11 +16,16 @@ as ``run_distributed`` starts them) and stages 0, 1 and 2 plus stage 2 with offl
   CPU seconds of its rank's main thread (``CLOCKS``; the slowest rank's median); predicted, the
   plan's simulated step on fake CPU tensors timed for ``--device cpu`` with one host thread, at a
   calibration (``hf_lowzero.timing.calibrate.measure``, not the cache) that each rank makes in its
-  own process just before its steps, at the same time as the other ranks (the slowest rank's
-  prediction). The model is what this checks, not the machine: on this VM the same step took 30 ms
-  at one hour and 45 ms at the next, and a calibration made in another process, before the run,
-  priced the machine of before (0.66-0.96 at W = 1 and 0.73-0.91 at W = 2 one hour, 0.82-0.99 at W
-  = 2 the hour before). The plan itself calibrates once, on the machine it runs on.
+  own process just before each model's steps, at the same time as the other ranks (the slowest
+  rank's prediction). The model is what this checks, not the machine: on this VM the same step
+  took 30 ms at one hour and 45 ms at the next, and a calibration made in another process, before
+  the run, priced the machine of before (0.66-0.96 at W = 1 and 0.73-0.91 at W = 2 one hour,
+  0.82-0.99 at W = 2 the hour before). With one calibration per rank and W = 1 in a group, BERT
+  (the third model, a minute after it) came out at 0.70-0.78, at 0.86-0.90 with both changed. The
+  plan itself calibrates once, on the machine it runs on.
+- W = 1 is one process without a process group, as the plan's W = 1 rows are: a rank of one in a
+  group runs stage 0 under DDP (the Trainer wraps it, as under torchrun or Ray with one worker), and
+  its reducer's ops per gradient (532 a step for BERT) are not in those rows.
 - CPU seconds on both sides ([Note: calibrated in CPU time] in ``hf_lowzero/timing/calibrate.py``):
   the machine is shared, and wall seconds measure its load. The table gives the median over rounds
   of predicted and measured (and, for the record, the process's CPU and the wall seconds), the
@@ -106,7 +111,7 @@ def build(name: str):
     return AutoModelForCausalLM.from_config(config), "clm"
 
 
-def body(rank: int, world_size: int, out: str, steps: int) -> None:
+def body(rank: int, world_size: int, out: str, steps: int, models: list[str]) -> None:
     import torch.distributed as dist
     from transformers import TrainerCallback
 
@@ -123,11 +128,15 @@ def body(rank: int, world_size: int, out: str, steps: int) -> None:
             for kind, clock in CLOCKS.items():
                 self.times[kind].append(clock() - self.start[kind])
 
-    torch.set_num_threads(1)
-    figures = calibrate.measure()  # this rank's machine, as its steps will meet it ([Note: the measuring protocol])
+    alone = world_size == 1 and _leave_the_group()  # a single process, as the plan's W = 1 rows
     measured: dict[str, dict[str, float]] = {}
+    figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in configs():
+        for name in models:
+            torch.set_num_threads(1)
+            figures[name] = (
+                calibrate.measure()
+            )  # the machine as this model's steps meet it ([Note: the measuring protocol])
             for stage, offload in SETUPS:
                 model, task = build(name)
                 clock = Clock()
@@ -135,8 +144,12 @@ def body(rank: int, world_size: int, out: str, steps: int) -> None:
                                          train_dataset=Data(task), callbacks=[clock])  # fmt: skip
                 torch.set_num_threads(1)  # accelerate set 2 at W = 1 ("OMP_NUM_THREADS unset"): one, as predicted
                 trainer.train()
+                if alone and trainer.model_wrapped is not trainer.model:  # e.g. a DDP of one rank
+                    raise RuntimeError(f"W = 1 runs the model alone, not in {type(trainer.model_wrapped).__name__}")
                 steady = {k: v[WARM_UP:] for k, v in clock.times.items()}
                 measured[case(name, stage, offload)] = {k: statistics.median(v) for k, v in steady.items()}
+    if alone and not dist.is_initialized():  # (stage 1's Trainer makes a group of one) the teardown's
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ranks: list = [None] * world_size
     dist.all_gather_object(ranks, (measured, figures))
     if rank == 0:  # the step is the slowest rank's
@@ -144,11 +157,22 @@ def body(rank: int, world_size: int, out: str, steps: int) -> None:
         Path(out).write_text(json.dumps({"measured": slowest, "figures": [r[1] for r in ranks]}))
 
 
+def _leave_the_group() -> bool:
+    """Run this rank as a single process ([Note: the measuring protocol]): no process group and none
+    of its variables, so the Trainer wraps no DDP around a model of one rank."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    return True
+
+
 def case(name: str, stage: int, offload: bool) -> str:
     return f"{name} stage {stage}{' + offload' if offload else ''}"
 
 
-def programs(world_size: int) -> dict:
+def programs(world_size: int, models: list[str]) -> dict:
     """Each case's simulated step (its recorded sequence), as the plan makes it."""
     from hf_lowzero.plan.models import ModelSpec
     from hf_lowzero.plan.simulate import simulate_step
@@ -156,7 +180,8 @@ def programs(world_size: int) -> dict:
 
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, config in configs().items():
+        for name in models:
+            config = configs()[name]
             config.architectures = ["BertForSequenceClassification" if name == "bert" else None]
             spec = ModelSpec.from_source(build(name)[0])
             for stage, offload in SETUPS:
@@ -168,12 +193,16 @@ def programs(world_size: int) -> dict:
 
 def predicted(sequences: dict, figures: list[dict]) -> dict[str, float]:
     """The steps' time for ``--device cpu`` at one host thread, priced with each rank's calibration
-    (``figures``): the slowest rank's, as measured is."""
+    made before its model's steps (``figures``, per rank, by model): the slowest rank's, as measured is."""
     from hf_lowzero.timing import Costs, Target, schedule
     from hf_lowzero.timing.calibrate import device_from
 
-    ranks = [Costs(Target.of(device_from(f), host_threads=1)) for f in figures]
-    return {key: max(schedule(program, c).step_time().seconds for c in ranks) for key, program in sequences.items()}
+    found = {}
+    for key, program in sequences.items():
+        model = key.split()[0]
+        ranks = [Costs(Target.of(device_from(f[model]), host_threads=1)) for f in figures]
+        found[key] = max(schedule(program, c).step_time().seconds for c in ranks)
+    return found
 
 
 def main() -> None:
@@ -181,16 +210,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--models", default="gpt2,llama,bert", help="in the order each rank runs them")
     parser.add_argument("--name", default="plan_time", help="results/NAME.{md,json,png}")
     a = parser.parse_args()
     world_sizes = [int(w) for w in a.world_sizes.split(",")]
+    models = a.models.split(",")
+    unknown = sorted(set(models) - set(configs()))
+    if unknown:
+        parser.error(f"--models: {', '.join(unknown)} unknown; choose among {', '.join(configs())}")
     loads = []
-    sequences = {w: programs(w) for w in world_sizes}
+    sequences = {w: programs(w, models) for w in world_sizes}
     runs: dict = {w: {"predicted": [], "measured": []} for w in world_sizes}
     for round_ in range(a.rounds):  # [Note: the measuring protocol]
         loads.append(os.getloadavg()[0])
         for w in world_sizes if round_ % 2 == 0 else world_sizes[::-1]:
-            run = collect(body, w, steps=a.steps)
+            run = collect(body, w, steps=a.steps, models=models)
             runs[w]["predicted"].append(predicted(sequences[w], run["figures"]))
             runs[w]["measured"].append(run["measured"])
     loads.append(os.getloadavg()[0])
@@ -205,6 +239,8 @@ def main() -> None:
                          "measured_ms": round(ms["thread"] * 1e3, 2), "process_ms": round(ms["process"] * 1e3, 2),
                          "wall_ms": round(ms["wall"] * 1e3, 2), "ratio": round(ratio, 3)})  # fmt: skip
     command = f"python benchmarks/plan_time.py --rounds {a.rounds} --steps {a.steps} --world-sizes {a.world_sizes}"
+    if a.models != parser.get_default("models"):
+        command += f" --models {a.models}"
     data = {"rows": rows, "runs": runs, "load": loads, "command": command}
     report(a.name, rows, data, command, loads)
 
