@@ -128,15 +128,16 @@ def body(rank: int, world_size: int, out: str, steps: int, models: list[str]) ->
             for kind, clock in CLOCKS.items():
                 self.times[kind].append(clock() - self.start[kind])
 
-    alone = world_size == 1 and _leave_the_group()  # a single process, as the plan's W = 1 rows
+    alone = world_size == 1  # a single process, as the plan's W = 1 rows
+    if alone:
+        _leave_the_group()
     measured: dict[str, dict[str, float]] = {}
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             torch.set_num_threads(1)
-            figures[name] = (
-                calibrate.measure()
-            )  # the machine as this model's steps meet it ([Note: the measuring protocol])
+            # the machine as this model's steps meet it ([Note: the measuring protocol])
+            figures[name] = calibrate.measure()
             for stage, offload in SETUPS:
                 model, task = build(name)
                 clock = Clock()
@@ -157,7 +158,7 @@ def body(rank: int, world_size: int, out: str, steps: int, models: list[str]) ->
         Path(out).write_text(json.dumps({"measured": slowest, "figures": [r[1] for r in ranks]}))
 
 
-def _leave_the_group() -> bool:
+def _leave_the_group() -> None:
     """Run this rank as a single process ([Note: the measuring protocol]): no process group and none
     of its variables, so the Trainer wraps no DDP around a model of one rank."""
     import torch.distributed as dist
@@ -165,7 +166,6 @@ def _leave_the_group() -> bool:
     dist.destroy_process_group()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
-    return True
 
 
 def case(name: str, stage: int, offload: bool) -> str:

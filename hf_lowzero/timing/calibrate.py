@@ -42,7 +42,7 @@ at its bytes plus its tensors at its own figure (an op it did not measure at the
 multi-tensor kernels take many tensors per launch: no cost per tensor there.
 
 [Note: calibrated in CPU time] Every figure is timed in CPU seconds of this process (user and
-system: ``time.process_time``), the best of three (the reference step's: the sum over its ops), not
+system: ``time.process_time``), the best of three (the reference step's: the median of five steps), not
 in wall seconds: a machine shared with other work runs this process part of the time only, and a
 wall clock would measure its load, not its rates (under a load of 5 on 2 cores, wall-clock rates
 came out at a third to a fifth of the quiet machine's). With several threads, the work is over the
@@ -78,6 +78,7 @@ from hf_lowzero.timing.step_rates import step_rates
 
 CACHE_ENV = "HF_LOWZERO_CACHE"
 SECONDS_PER_FIGURE = 0.4
+PER_TENSOR_SECONDS = 0.015  # each of the multi-tensor ops' timings: short calls, 16 of them
 FIGURES = 4  # the figures' version: a cache of other figures is measured again
 
 
@@ -149,15 +150,15 @@ def _with_threads(n: int, fn) -> float:
         torch.set_num_threads(before)
 
 
-def _rate(work_per_call: float, call) -> float:
+def _rate(work_per_call: float, call, seconds: float = SECONDS_PER_FIGURE) -> float:
     """Work per CPU second per thread of ``call`` ([Note: calibrated in CPU time]), repeated for about
-    ``SECONDS_PER_FIGURE`` of CPU time (the best of three)."""
+    ``seconds`` of CPU time (the best of three)."""
     call()
     best = float("inf")
     threads = torch.get_num_threads()
     for _ in range(3):
         calls, start = 0, time.process_time()
-        while (elapsed := time.process_time() - start) < SECONDS_PER_FIGURE / 3:
+        while (elapsed := time.process_time() - start) < seconds / 3:
             call()
             calls += 1
         best = min(best, elapsed / threads / calls)
@@ -235,20 +236,9 @@ def _per_tensor() -> dict[str, float]:
         "aten._foreach_add_": lambda n: torch._foreach_add_(small[0][:n], small[1][:n]),
         "aten._fused_adamw_": lambda n: torch._fused_adamw_(*(t[:n] for t in small), [], [step] * n, **adamw),
     }
-    return {name: max(_seconds(functools.partial(op, 64)) - _seconds(functools.partial(op, 1)), 0.0) / 63
-            for name, op in ops.items()}  # fmt: skip
-
-
-def _seconds(call, calls: int = 50) -> float:
-    """CPU seconds per call of a short ``call``: the best of five runs of ``calls``."""
-    call()
-    best = float("inf")
-    for _ in range(5):
-        start = time.process_time()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.process_time() - start) / calls)
-    return best
+    seconds = {name: [1.0 / _rate(1.0, functools.partial(op, n), PER_TENSOR_SECONDS) for n in (64, 1)]
+               for name, op in ops.items()}  # fmt: skip
+    return {name: max(many - one, 0.0) / 63 for name, (many, one) in seconds.items()}
 
 
 def _gloo() -> dict:

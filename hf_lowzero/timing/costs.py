@@ -84,6 +84,8 @@ class Costs:
                 if isinstance(by_keys, dict)  # an older cache's [one, all] at one length: the rate over all
             )
             self.per_tensor = m.get("per_tensor_s", {})  # [Note: a cost per tensor] in calibrate.py
+            measured = list(self.per_tensor.values())
+            self.per_tensor_otherwise = sum(measured) / len(measured) if measured else 0.0  # an op not measured
         else:
             self.matmul = {dtype: rate * MATMUL_EFFICIENCY for dtype, rate in device.matmul_flops.items()}
             self.bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -92,6 +94,7 @@ class Costs:
             self.host_flops = device.host_flops_per_thread * threads
             self.host_bandwidth = min(device.host_bandwidth_per_thread * threads, device.host_bandwidth)
             self.own_flops, self.own_bandwidth, self.attention_by_head, self.per_tensor = {}, {}, [], {}
+            self.per_tensor_otherwise = 0.0
 
     @property
     def dispatch(self) -> float:
@@ -113,10 +116,7 @@ class Costs:
 
     def _per_tensors(self, work: OpWork) -> float:
         """A multi-tensor op's cost for its tensors on a CPU ([Note: a cost per tensor])."""
-        if not work.tensors or not self.per_tensor:
-            return 0.0
-        each = self.per_tensor.get(work.name, sum(self.per_tensor.values()) / len(self.per_tensor))
-        return work.tensors * each
+        return work.tensors * self.per_tensor.get(work.name, self.per_tensor_otherwise)
 
     def host(self, work: OpWork) -> float:
         """An op on host tensors, at the host's rates for its threads."""
